@@ -1,0 +1,64 @@
+"""The ``edge-agent`` command.
+
+Each subcommand lives in its own module under ``agent/cli/`` and registers itself through
+``register(subparsers)``; handlers take the parsed arguments and return an exit status. Host-only
+subcommands (build, bench) import torch and the ONNX tooling inside their handler, so the command
+starts on a board that has only the ``device`` extra.
+
+Every :class:`~agent.errors.AgentError` ends the command with one line on stderr that names the
+problem, and exit status 1; a usage error exits 2 (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from agent import __version__
+from agent.errors import AgentError
+from agent.log import configure_logging
+
+log = logging.getLogger(__name__)
+
+# Subcommand modules, in the order they appear in --help.
+SUBCOMMAND_MODULES = (
+    "agent.cli.build",
+    "agent.cli.bundle",
+    "agent.cli.bench",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edge-agent",
+        description="Build, sign, serve and roll out INT8 vision models on NVIDIA Jetson fleets.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only errors in the log")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(-1 if args.quiet else args.verbose)
+    try:
+        return int(args.handler(args) or 0)
+    except AgentError as exc:
+        print(f"edge-agent: error: {exc}", file=sys.stderr)
+        log.debug("error details", exc_info=True)
+        return 1
+    except KeyboardInterrupt:
+        print("edge-agent: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

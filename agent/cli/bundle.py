@@ -1,0 +1,9 @@
+"""`edge-agent bundle`: placeholder until the subcommand lands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    pass

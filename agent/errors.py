@@ -1,0 +1,96 @@
+"""The project's error hierarchy.
+
+Every error a user can cause (bad input, a tampered bundle, a wrong key, a missing optional
+dependency) is an :class:`AgentError`. Each carries structured fields (which file, which key,
+expected vs found) and prints them, so the CLI can end with one line that names the problem.
+
+A bug of our own is an :class:`InternalError`; it deliberately does *not* derive from
+``AgentError`` so that nothing catches it as if it were the user's fault.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class AgentError(Exception):
+    """Root of every user-facing error.
+
+    Args:
+        message: What went wrong, in one sentence.
+        **fields: Facts that locate the problem (``path=...``, ``key=...``, ``expected=...``,
+            ``found=...``). They are kept on ``self.fields`` and appended to ``str(self)``.
+    """
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = {name: value for name, value in fields.items() if value is not None}
+
+    def __str__(self) -> str:
+        if not self.fields:
+            return self.message
+        details = ", ".join(f"{name}={value}" for name, value in self.fields.items())
+        return f"{self.message} ({details})"
+
+
+class ConfigError(AgentError):
+    """A configuration value or command-line argument is invalid."""
+
+
+class InputError(AgentError):
+    """A file or value handed to a command is unusable (missing, corrupt, wrong shape)."""
+
+
+class ModelError(InputError):
+    """A model (PyTorch or ONNX) cannot be loaded, exported or run."""
+
+
+class CalibrationError(InputError):
+    """The calibration data set is empty, malformed or does not match the model."""
+
+
+class PruningError(AgentError):
+    """Pruning cannot be done as asked."""
+
+
+class QuantizationError(AgentError):
+    """INT8 quantization or the mixed-precision search failed."""
+
+
+class BundleError(AgentError):
+    """A bundle is malformed, unsafe to unpack, or fails verification."""
+
+
+class SignatureError(BundleError):
+    """A bundle's signature is missing, invalid, or made with an unknown key."""
+
+
+class KeyFileError(AgentError):
+    """A signing or verification key cannot be read or is of the wrong kind."""
+
+
+class EngineError(AgentError):
+    """A TensorRT engine cannot be built or loaded."""
+
+
+class StoreError(AgentError):
+    """The on-device model store is inconsistent or cannot be written."""
+
+
+class PowerError(AgentError):
+    """Board power or clock control failed."""
+
+
+class MissingDependencyError(AgentError):
+    """An optional dependency is not installed; the message names the extra that installs it."""
+
+    def __init__(self, module: str, extra: str, purpose: str) -> None:
+        hint = f"pip install 'jetson-edge-agent[{extra}]'" if extra else "see README"
+        super().__init__(f"{purpose} needs the Python module '{module}' ({hint})", module=None)
+        self.module = module
+        self.extra = extra
+
+
+class InternalError(Exception):
+    """A bug in this project, not a problem with the user's input."""

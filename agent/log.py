@@ -1,0 +1,41 @@
+"""Logging set up once for every entry point.
+
+Libraries in this project only call ``logging.getLogger(__name__)``; the CLI calls
+:func:`configure_logging` once. Log lines go to stderr so that a command's stdout stays parseable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+_configured = False
+
+
+def configure_logging(verbosity: int = 0) -> None:
+    """Configure the root logger once.
+
+    Args:
+        verbosity: 0 logs warnings and info from this project, 1 adds debug, -1 keeps only errors.
+            ``EDGE_AGENT_LOG_LEVEL`` (a level name) overrides it.
+    """
+    global _configured
+    if _configured:
+        return
+    level_name = os.environ.get("EDGE_AGENT_LOG_LEVEL")
+    if level_name:
+        level = logging.getLevelName(level_name.upper())
+        if not isinstance(level, int):
+            level = logging.INFO
+    else:
+        level = {-1: logging.ERROR, 0: logging.INFO}.get(verbosity, logging.DEBUG)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    for package in ("agent", "models", "pruning", "power"):
+        logging.getLogger(package).setLevel(level)
+    _configured = True

@@ -1,0 +1,1 @@
+"""Structural channel pruning with torch-pruning, aligned to Tensor Core widths."""
