@@ -14,6 +14,21 @@ _FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 _configured = False
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record (pytest swaps it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: D102
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # the base class assigns it once; ignore that
+        pass
+
+
 def configure_logging(verbosity: int = 0) -> None:
     """Configure the root logger once.
 
@@ -31,7 +46,7 @@ def configure_logging(verbosity: int = 0) -> None:
             level = logging.INFO
     else:
         level = {-1: logging.ERROR, 0: logging.INFO}.get(verbosity, logging.DEBUG)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
     root = logging.getLogger()
     root.addHandler(handler)

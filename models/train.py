@@ -86,7 +86,7 @@ def train(
             loss.backward()
             optimizer.step()
             scheduler.step()
-            running += float(loss) * len(index)
+            running += float(loss.detach()) * len(index)
         if progress:
             log.info(
                 "epoch %d/%d  loss %.4f  (%.1f s)",

@@ -1,9 +1,47 @@
-"""`edge-agent bench`: placeholder until the subcommand lands."""
+"""``edge-agent bench ...``: benchmarks that compare against a baseline in the same run."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+
+from agent.deps import require
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    pass
+    bench = subparsers.add_parser("bench", help="benchmarks (ratios against a same-run baseline)")
+    kinds = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    pipeline = kinds.add_parser(
+        "pipeline",
+        help="PyTorch FP32 vs pruned vs INT8 (ONNX Runtime), ResNet-18 at 224x224",
+    )
+    pipeline.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
+    pipeline.add_argument("--prune", type=float, default=0.6, metavar="RATIO")
+    pipeline.add_argument("--finetune-epochs", type=int, default=4)
+    pipeline.add_argument("--threads", type=int, default=2)
+    pipeline.add_argument("--size", type=int, default=224)
+    pipeline.add_argument("--min-time", type=float, default=2.0, metavar="SECONDS",
+                          help="time each variant for at least this long")
+    pipeline.set_defaults(handler=run_pipeline)
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    require("torch", extra="host", purpose="edge-agent bench pipeline")
+    from models.bench_pipeline import PipelineBenchConfig, format_table, run
+
+    config = PipelineBenchConfig(
+        prune_ratio=args.prune,
+        finetune_epochs=args.finetune_epochs,
+        threads=args.threads,
+        size=args.size,
+        min_time_s=args.min_time,
+    )
+    summary = run(config, args.json)
+    print(format_table(summary))
+    if args.json:
+        print(f"wrote {args.json}")
+    else:
+        print(json.dumps({key: value for key, value in summary.items()
+                          if not isinstance(value, (dict, list))}, indent=2))
+    return 0

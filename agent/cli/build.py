@@ -1,9 +1,115 @@
-"""`edge-agent build`: placeholder until the subcommand lands."""
+"""``edge-agent build`` and ``edge-agent train`` (host side; they need the ``host`` extra)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
+
+from agent.deps import require
+
+DEFAULT_MODEL = "resnet18-digits"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    pass
+    build = subparsers.add_parser(
+        "build",
+        help="turn a model into a signed INT8 bundle with an accuracy and speed report",
+        description=(
+            "Prune (optional), export to ONNX, calibrate INT8 with mixed precision, and pack a "
+            "signed bundle DIR/<name>-<version>.bundle plus DIR/report.json."
+        ),
+    )
+    source = build.add_mutually_exclusive_group()
+    source.add_argument("--model", help=f"example model from the zoo (default: {DEFAULT_MODEL})")
+    source.add_argument("--user-model", metavar="MODULE:CALLABLE",
+                        help="your PyTorch model factory (with --checkpoint and --calib-dir)")
+    source.add_argument("--onnx", type=Path, metavar="MODEL", help="an ONNX model (no pruning)")
+    build.add_argument("--checkpoint", type=Path, help="state dict for --user-model")
+    build.add_argument("--calib-dir", type=Path, metavar="DIR",
+                       help="directory of .npy/.npz preprocessed input samples, one per file")
+    build.add_argument("--prune", type=float, metavar="RATIO", dest="prune_ratio",
+                       help="fraction of channels to remove, in [0, 1)")
+    build.add_argument("--prune-target-macs", type=float, metavar="GMACS",
+                       help="prune until the model needs at most this many GMACs at 224x224")
+    build.add_argument("--importance", choices=("l1", "l2", "taylor"), default="l2")
+    build.add_argument("--prune-scope", choices=("uniform", "global"), default="uniform")
+    build.add_argument("--round-to", type=int, default=32,
+                       help="pruned widths are multiples of this (32 suits INT8, 8 suits FP16)")
+    build.add_argument("--prune-steps", type=int, default=1, help="iterative pruning steps")
+    build.add_argument("--finetune-epochs", type=int, default=4)
+    build.add_argument("--calib-samples", type=int, default=512)
+    build.add_argument("--calib-method", choices=("entropy", "percentile", "minmax"),
+                       default="entropy")
+    build.add_argument("--accuracy-budget", type=float, default=1.0, metavar="POINTS",
+                       help="largest top-1 (or agreement) drop allowed for INT8, in points")
+    build.add_argument("--key", type=Path, help="Ed25519 private key (PEM) to sign with")
+    build.add_argument("--out", type=Path, default=Path("out"), metavar="DIR")
+    build.add_argument("--name", help="bundle name (default: from the model)")
+    build.add_argument("--version", type=int, dest="bundle_version",
+                       help="bundle version (default: one more than the newest in DIR)")
+    build.add_argument("--max-batch", type=int, default=32)
+    build.add_argument("--opt-batch", type=int, default=8)
+    build.add_argument("--threads", type=int, default=2)
+    build.add_argument("--engine", action="store_true",
+                       help="also build a TensorRT engine for this machine (needs TensorRT)")
+    build.add_argument("--json", action="store_true", help="print the report as JSON")
+    build.set_defaults(handler=run_build)
+
+    train = subparsers.add_parser(
+        "train", help="train an example model on the digits set and cache its checkpoint"
+    )
+    train.add_argument("--model", default=DEFAULT_MODEL)
+    train.add_argument("--force", action="store_true", help="retrain even if cached")
+    train.set_defaults(handler=run_train)
+
+
+def run_build(args: argparse.Namespace) -> int:
+    require("torch", extra="host", purpose="edge-agent build")
+    from models.pipeline import BuildOptions, build, format_summary
+
+    model = args.model
+    if model is None and args.onnx is None and args.user_model is None:
+        model = DEFAULT_MODEL
+    options = BuildOptions(
+        out_dir=args.out,
+        model=model,
+        user_model=args.user_model,
+        checkpoint=args.checkpoint,
+        onnx=args.onnx,
+        calib_dir=args.calib_dir,
+        prune_ratio=args.prune_ratio,
+        prune_target_macs=int(args.prune_target_macs * 1e9) if args.prune_target_macs else None,
+        prune_importance=args.importance,
+        prune_scope=args.prune_scope,
+        round_to=args.round_to,
+        prune_steps=args.prune_steps,
+        finetune_epochs=args.finetune_epochs,
+        calib_samples=args.calib_samples,
+        calib_method=args.calib_method,
+        accuracy_budget=args.accuracy_budget,
+        key=args.key,
+        name=args.name,
+        version=args.bundle_version,
+        max_batch=args.max_batch,
+        opt_batch=args.opt_batch,
+        threads=args.threads,
+        build_engine=args.engine,
+        progress=sys.stderr.isatty(),
+    )
+    result = build(options)
+    if args.json:
+        print(json.dumps(result.report, indent=2, sort_keys=True))
+    else:
+        print(format_summary(result))
+    return 0
+
+
+def run_train(args: argparse.Namespace) -> int:
+    require("torch", extra="host", purpose="edge-agent train")
+    from models.checkpoints import train_example
+
+    path = train_example(args.model, force=args.force)
+    print(path)
+    return 0

@@ -1,0 +1,269 @@
+"""``edge-agent bench pipeline``: what pruning and INT8 buy on this machine, in one run.
+
+ResNet-18 (trained on the digits set) at 224x224, batch 1 and 8, a fixed number of threads:
+
+- PyTorch eager FP32, the baseline;
+- pruned FP32 (PyTorch eager);
+- unpruned INT8 and pruned INT8, the QDQ models the build pipeline produces (mixed precision
+  included), run through ONNX Runtime's CPU provider;
+- FP32 through ONNX Runtime, for context.
+
+Top-1 is measured on the held-out digits split at the size the model was trained at (32x32): the
+accuracy of the exact models whose speed is reported. The INT8 roofline divides the MACs per
+second the INT8 model achieves by those of a large INT8 matrix multiply (a QDQ MatMul, which ONNX
+Runtime runs as one integer GEMM) measured in the same run, so both numbers share the machine's
+state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent.fsutil import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+MODEL = "resnet18-digits"
+
+
+@dataclass(frozen=True)
+class PipelineBenchConfig:
+    prune_ratio: float = 0.6
+    finetune_epochs: int = 4
+    threads: int = 2
+    size: int = 224
+    batches: tuple[int, ...] = (1, 8)
+    min_time_s: float = 2.0
+    min_runs: int = 5
+    matmul_size: int = 2048
+    calib_samples: int = 512
+    accuracy_budget: float = 1.0
+
+
+def time_call(function: Callable[[], Any], batch: int, config: PipelineBenchConfig) -> dict[str, float]:
+    """Median latency of ``function`` over at least ``min_runs`` runs and ``min_time_s`` seconds."""
+    function()  # warm-up: first-run allocations and kernel selection
+    function()
+    latencies = []
+    started = time.perf_counter()
+    while len(latencies) < config.min_runs or time.perf_counter() - started < config.min_time_s:
+        begin = time.perf_counter()
+        function()
+        latencies.append(time.perf_counter() - begin)
+    median = statistics.median(latencies)
+    return {"img_s": batch / median, "latency_ms": median * 1e3, "runs": len(latencies)}
+
+
+def int8_matmul_macs_per_s(size: int, threads: int, config: PipelineBenchConfig) -> float:
+    """MACs/s of a size^3 symmetric INT8 QDQ MatMul in ONNX Runtime (one integer GEMM)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from models.ort import create_session
+
+    rng = np.random.default_rng(0)
+    scale = numpy_helper.from_array(np.array(0.05, np.float32), "scale")
+    zero = numpy_helper.from_array(np.array(0, np.int8), "zero")
+    weight = numpy_helper.from_array(rng.standard_normal((size, size)).astype(np.float32), "weight")
+    nodes = [
+        helper.make_node("QuantizeLinear", ["a", "scale", "zero"], ["a_q"]),
+        helper.make_node("DequantizeLinear", ["a_q", "scale", "zero"], ["a_dq"]),
+        helper.make_node("QuantizeLinear", ["weight", "scale", "zero"], ["w_q"]),
+        helper.make_node("DequantizeLinear", ["w_q", "scale", "zero"], ["w_dq"]),
+        helper.make_node("MatMul", ["a_dq", "w_dq"], ["y"]),
+        helper.make_node("QuantizeLinear", ["y", "scale", "zero"], ["y_q"]),
+        helper.make_node("DequantizeLinear", ["y_q", "scale", "zero"], ["out"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "int8_matmul",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [size, size])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [size, size])],
+        [scale, zero, weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    session = create_session(model.SerializeToString(), threads=threads)
+    a = rng.standard_normal((size, size)).astype(np.float32)
+    timing = time_call(lambda: session.run(None, {"a": a}), 1, config)
+    return size**3 / (timing["latency_ms"] / 1e3)
+
+
+def run(config: PipelineBenchConfig, json_path: Path | None = None) -> dict[str, Any]:
+    import torch
+
+    from models.checkpoints import load_example
+    from models.data import load_digits_splits
+    from pruning import count_macs_and_params
+    from models.export import export_onnx
+    from models.ort import create_session
+    from models.pipeline import BuildOptions, _prune
+    from models.quantize import Evaluator, QuantizeConfig, quantize_model
+    from models.calibration import from_array
+    from models.train import predict, top1_accuracy
+
+    torch.set_num_threads(config.threads)
+    train_split, held_out = load_digits_splits(32)
+    baseline = load_example(MODEL, threads=config.threads)
+    example = torch.from_numpy(train_split.images[:2])
+
+    log.info("pruning a copy at ratio %.2f", config.prune_ratio)
+    options = BuildOptions(out_dir=Path("."), model=MODEL, prune_ratio=config.prune_ratio,
+                           finetune_epochs=config.finetune_epochs, progress=False)
+    speed_example = torch.zeros(1, 3, config.size, config.size)
+    pruned, prune_report = _prune(baseline, options, train_split, held_out, speed_example)
+
+    variants: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="edge-agent-bench-") as scratch:
+        for name, model in (("fp32", baseline), ("pruned_fp32", pruned)):
+            exported = export_onnx(model, example)
+            calibration = from_array(train_split.images, exported.input_name, config.calib_samples)
+            evaluator = Evaluator({exported.input_name: held_out.images}, held_out.labels)
+            quantized = quantize_model(
+                exported.model_bytes,
+                calibration,
+                evaluator,
+                QuantizeConfig(accuracy_budget=config.accuracy_budget, progress=False),
+                Path(tempfile.mkdtemp(dir=scratch)),
+            )
+            int8_name = "int8" if name == "fp32" else "pruned_int8"
+            speed_input = torch.zeros(1, 3, config.size, config.size)
+            macs, params = count_macs_and_params(model, speed_input)
+            variants[name] = {
+                "runtime": "pytorch eager",
+                "top1": top1_accuracy(predict(model, held_out.images), held_out.labels),
+                "macs_per_image": macs,
+                "params": params,
+                "module": model,
+            }
+            variants[f"{name}_onnxruntime"] = {
+                "runtime": "onnxruntime",
+                "top1": quantized.float_metric,
+                "macs_per_image": macs,
+                "params": params,
+                "onnx": exported.model_bytes,
+            }
+            variants[int8_name] = {
+                "runtime": "onnxruntime",
+                "top1": quantized.int8_metric,
+                "macs_per_image": macs,
+                "params": params,
+                "onnx": quantized.model_bytes,
+                "fp16_layers": quantized.fp16_layers,
+            }
+
+    log.info("measuring the INT8 matrix-multiply roofline (%d^3)", config.matmul_size)
+    matmul_macs_s = int8_matmul_macs_per_s(config.matmul_size, config.threads, config)
+    rng = np.random.default_rng(0)
+    results: dict[str, Any] = {}
+    for batch in config.batches:
+        frames = rng.standard_normal((batch, 3, config.size, config.size)).astype(np.float32)
+        tensor = torch.from_numpy(frames)
+        row: dict[str, Any] = {}
+        for name, variant in variants.items():
+            if "module" in variant:
+                module = variant["module"]
+
+                def call(module=module) -> Any:
+                    with torch.no_grad():
+                        return module(tensor)
+            else:
+                session = create_session(variant["onnx"], threads=config.threads)
+
+                def call(session=session) -> Any:
+                    return session.run(None, {"input": frames})
+            timing = time_call(call, batch, config)
+            timing["macs_per_s"] = variant["macs_per_image"] * timing["img_s"]
+            row[name] = timing
+            log.info("batch %d  %-22s %8.1f img/s", batch, name, timing["img_s"])
+        results[str(batch)] = row
+
+    summary = _summarise(results, variants, matmul_macs_s, config, prune_report)
+    if json_path is not None:
+        atomic_write_text(json_path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary
+
+
+def _summarise(results: dict[str, Any], variants: dict[str, Any], matmul_macs_s: float,
+               config: PipelineBenchConfig, prune_report: dict[str, Any]) -> dict[str, Any]:
+    batch8 = results[str(max(config.batches))]
+    baseline = batch8["fp32"]["img_s"]
+    summary: dict[str, Any] = {
+        "config": {
+            "model": "ResNet-18 (digits-trained), " f"{config.size}x{config.size}",
+            "threads": config.threads,
+            "batches": list(config.batches),
+            "prune_ratio": config.prune_ratio,
+            "accuracy_budget": config.accuracy_budget,
+            "top1_on": "digits held-out split (360 images) at 32x32",
+        },
+        "batch": max(config.batches),
+        "baseline_img_s": baseline,
+        "pruned_fp32_img_s": batch8["pruned_fp32"]["img_s"],
+        "fp32_onnxruntime_img_s": batch8["fp32_onnxruntime"]["img_s"],
+        "int8_img_s": batch8["int8"]["img_s"],
+        "pruned_int8_img_s": batch8["pruned_int8"]["img_s"],
+        "speedup_pruned_fp32": batch8["pruned_fp32"]["img_s"] / baseline,
+        "speedup_int8": batch8["int8"]["img_s"] / baseline,
+        "speedup_pruned_int8": batch8["pruned_int8"]["img_s"] / baseline,
+        "fp32_top1": variants["fp32"]["top1"],
+        "pruned_fp32_top1": variants["pruned_fp32"]["top1"],
+        "int8_top1": variants["int8"]["top1"],
+        "pruned_int8_top1": variants["pruned_int8"]["top1"],
+        "top1_drop": variants["fp32"]["top1"] - variants["pruned_int8"]["top1"],
+        "int8_matmul_gmacs_s": matmul_macs_s / 1e9,
+        "int8_gmacs_s": batch8["int8"]["macs_per_s"] / 1e9,
+        "pruned_int8_gmacs_s": batch8["pruned_int8"]["macs_per_s"] / 1e9,
+        "roofline_fraction": batch8["int8"]["macs_per_s"] / matmul_macs_s,
+        "pruned_roofline_fraction": batch8["pruned_int8"]["macs_per_s"] / matmul_macs_s,
+        "macs_per_image": variants["fp32"]["macs_per_image"],
+        "pruned_macs_per_image": variants["pruned_fp32"]["macs_per_image"],
+        "fp16_layers": {
+            "int8": variants["int8"]["fp16_layers"],
+            "pruned_int8": variants["pruned_int8"]["fp16_layers"],
+        },
+        "pruned_conv_widths": prune_report["layers"],
+        "per_batch": results,
+    }
+    return summary
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The result as a terminal table."""
+    per_batch = summary["per_batch"]
+    batches = sorted(per_batch, key=int)
+    names = list(per_batch[batches[0]])
+    top1 = {
+        "fp32": summary["fp32_top1"],
+        "pruned_fp32": summary["pruned_fp32_top1"],
+        "int8": summary["int8_top1"],
+        "pruned_int8": summary["pruned_int8_top1"],
+    }
+    header = f"{'variant':24s}" + "".join(f"{'img/s b' + b:>12s}{'x base':>8s}" for b in batches)
+    lines = [summary["config"]["model"] + f", {summary['config']['threads']} threads", header]
+    for name in names:
+        cells = ""
+        for batch in batches:
+            img_s = per_batch[batch][name]["img_s"]
+            cells += f"{img_s:12.1f}{img_s / per_batch[batch]['fp32']['img_s']:8.2f}"
+        label = name.replace("_onnxruntime", " (onnxruntime)")
+        accuracy = f"  top-1 {top1[name]:.2f}" if name in top1 else ""
+        lines.append(f"{label:24s}{cells}{accuracy}")
+    lines += [
+        f"speedup_int8 {summary['speedup_int8']:.2f}  speedup_pruned_int8 "
+        f"{summary['speedup_pruned_int8']:.2f}  top1_drop {summary['top1_drop']:.2f}",
+        f"INT8 roofline: model {summary['int8_gmacs_s']:.0f} GMAC/s (pruned "
+        f"{summary['pruned_int8_gmacs_s']:.0f}) / matmul {summary['int8_matmul_gmacs_s']:.0f} "
+        f"GMAC/s = {summary['roofline_fraction']:.2f} (pruned {summary['pruned_roofline_fraction']:.2f})",
+    ]
+    return "\n".join(lines)

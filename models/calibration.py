@@ -1,0 +1,199 @@
+"""Calibration data: real, preprocessed input samples, from memory or from a directory of files.
+
+A calibration directory holds one preprocessed sample per file: ``.npy`` (one array, for models
+with one input; shape C x H x W, or 1 x C x H x W) or ``.npz`` (one array per input name, for models
+with several inputs). Files are read in name order, so the same directory always gives the same
+set and the same data hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from agent.errors import CalibrationError
+from models.onnx_model import TensorSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SAMPLES = 512
+RECOMMENDED_MIN_SAMPLES = 500
+RECOMMENDED_MAX_SAMPLES = 1000
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    """Samples per input name, each array N x (sample shape)."""
+
+    arrays: dict[str, np.ndarray]
+    source: str
+
+    def __len__(self) -> int:
+        return int(next(iter(self.arrays.values())).shape[0])
+
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        for name in sorted(self.arrays):
+            digest.update(name.encode())
+            digest.update(np.ascontiguousarray(self.arrays[name]).tobytes())
+        return digest.hexdigest()
+
+    def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        for start in range(0, len(self), batch_size):
+            yield {name: array[start : start + batch_size] for name, array in self.arrays.items()}
+
+    def to_manifest(self, method: str) -> dict[str, object]:
+        return {"method": method, "samples": len(self), "data_sha256": self.sha256(), "source": self.source}
+
+
+def _check_count(available: int, wanted: int, source: str) -> int:
+    if available == 0:
+        raise CalibrationError("calibration set is empty", source=source)
+    if wanted < 1:
+        raise CalibrationError("calibration sample count must be >= 1", found=wanted)
+    if available < wanted:
+        log.warning(
+            "only %d calibration samples available (asked for %d; %d-%d recommended): "
+            "INT8 ranges may be less accurate",
+            available,
+            wanted,
+            RECOMMENDED_MIN_SAMPLES,
+            RECOMMENDED_MAX_SAMPLES,
+        )
+        return available
+    if wanted < RECOMMENDED_MIN_SAMPLES:
+        log.warning(
+            "calibrating on %d samples; %d-%d are recommended",
+            wanted,
+            RECOMMENDED_MIN_SAMPLES,
+            RECOMMENDED_MAX_SAMPLES,
+        )
+    return wanted
+
+
+def from_array(
+    images: np.ndarray, input_name: str, samples: int = DEFAULT_SAMPLES, *, seed: int = 0, source: str = "memory"
+) -> CalibrationSet:
+    """Pick ``samples`` images (a fixed random subset) from an in-memory N x C x H x W array."""
+    count = _check_count(int(images.shape[0]), samples, source)
+    order = np.random.default_rng(seed).permutation(images.shape[0])[:count]
+    return CalibrationSet({input_name: np.ascontiguousarray(images[np.sort(order)])}, source)
+
+
+def _matches(sample_shape: tuple[int, ...], spec: TensorSpec) -> bool:
+    expected = spec.shape[1:]  # the batch axis is not part of one sample
+    if len(sample_shape) != len(expected):
+        return False
+    return all(want in (-1, got) for want, got in zip(expected, sample_shape))
+
+
+def _read_file(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    try:
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as archive:
+                arrays = {name: archive[name] for name in archive.files}
+        else:
+            arrays = {inputs[0].name: np.load(path, allow_pickle=False)}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise CalibrationError(f"cannot read calibration sample: {exc}", path=path) from exc
+    if path.suffix == ".npy" and len(inputs) > 1:
+        raise CalibrationError(
+            "model has several inputs: give each sample as an .npz with one array per input name",
+            path=path,
+            inputs=", ".join(spec.name for spec in inputs),
+        )
+    expected_names = {spec.name for spec in inputs}
+    if set(arrays) != expected_names:
+        raise CalibrationError(
+            "calibration sample's input names do not match the model",
+            path=path,
+            expected=sorted(expected_names),
+            found=sorted(arrays),
+        )
+    checked = {}
+    for spec in inputs:
+        array = arrays[spec.name]
+        if array.ndim == len(spec.shape) and array.shape[0] == 1:
+            array = array[0]
+        if not _matches(tuple(array.shape), spec):
+            raise CalibrationError(
+                "calibration sample has the wrong shape",
+                path=path,
+                input=spec.name,
+                expected=["N" if dim == -1 else dim for dim in spec.shape[1:]],
+                found=list(array.shape),
+            )
+        if array.dtype.kind not in "fiu":
+            raise CalibrationError("calibration sample is not numeric", path=path, dtype=array.dtype)
+        checked[spec.name] = array.astype(spec.dtype, copy=False)
+    return checked
+
+
+def from_directory(
+    directory: Path, inputs: list[TensorSpec], samples: int = DEFAULT_SAMPLES
+) -> CalibrationSet:
+    """Read up to ``samples`` files (name order) from ``directory``; see the module docstring."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CalibrationError("calibration directory not found", path=directory)
+    files = sorted(path for path in directory.iterdir() if path.suffix in (".npy", ".npz") and path.is_file())
+    count = _check_count(len(files), samples, str(directory))
+    per_input: dict[str, list[np.ndarray]] = {spec.name: [] for spec in inputs}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files[:count]:
+        for name, array in _read_file(path, inputs).items():
+            if shapes.setdefault(name, array.shape) != array.shape:
+                # One batch must stack: all samples of an input share a shape.
+                raise CalibrationError(
+                    "calibration samples differ in shape",
+                    path=path,
+                    input=name,
+                    expected=list(shapes[name]),
+                    found=list(array.shape),
+                )
+            per_input[name].append(array)
+    arrays = {name: np.stack(values) for name, values in per_input.items()}
+    log.info("read %d calibration samples from %s", count, directory)
+    return CalibrationSet(arrays, str(directory))
+
+
+class CalibrationReader:
+    """ONNX Runtime's calibration data reader interface over a :class:`CalibrationSet`.
+
+    Feeds batches (the calibrators accept any batch size on a dynamic batch axis, and batches are
+    far faster than single samples) and shows a progress bar.
+    """
+
+    def __init__(self, data: CalibrationSet, batch_size: int = 32, progress: bool = True) -> None:
+        self._data = data
+        self._batch_size = batch_size
+        self._progress = progress
+        self._iterator: Iterator[dict[str, np.ndarray]] | None = None
+        self._bar = None
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self._iterator is None:
+            self._iterator = self._data.batches(self._batch_size)
+            if self._progress:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=len(self._data), desc="calibrating", unit="sample", leave=False)
+        batch = next(self._iterator, None)
+        if self._bar is not None:
+            if batch is None:
+                self._bar.close()
+            else:
+                self._bar.update(len(next(iter(batch.values()))))
+        return batch
+
+    def rewind(self) -> None:
+        self._iterator = None
+
+    def __len__(self) -> int:
+        return -(-len(self._data) // self._batch_size)

@@ -1,0 +1,225 @@
+"""PyTorch to ONNX: export with dynamic axes, fold BatchNorm and constants, check against PyTorch.
+
+The export uses torch's TorchScript-based exporter (``dynamo=False``): with torch pinned at 2.13 it
+is fast, needs no extra package, and emits plain ``Conv``/``GlobalAveragePool``/``Flatten`` graphs
+that TensorRT 8.5's parser reads. It is run with constant folding off so that the raw graph keeps
+its ``BatchNormalization`` nodes; onnxslim (a maintained ONNX optimiser) then folds BatchNorm into
+the convolutions, folds constants and removes dead and identity nodes, and the node counts before
+and after show what it did.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent.deps import require
+from agent.errors import ModelError
+from agent.fsutil import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+MIN_OPSET = 17
+DEFAULT_OPSET = 17
+INPUT_NAME = "input"
+OUTPUT_NAME = "logits"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """The cleaned ONNX model and what the export did."""
+
+    model_bytes: bytes
+    input_name: str
+    output_names: tuple[str, ...]
+    input_shape: tuple[int | str, ...]  # symbolic names for dynamic axes
+    dynamic_spatial: bool
+    node_counts_before: dict[str, int]
+    node_counts_after: dict[str, int]
+    max_abs_error: float
+    seconds: float
+    checks: list[dict[str, Any]] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        atomic_write_bytes(path, self.model_bytes)
+
+
+def node_counts(model: Any) -> dict[str, int]:
+    """Number of nodes of each op type in an ``onnx.ModelProto``, most common first."""
+    return dict(Counter(node.op_type for node in model.graph.node).most_common())
+
+
+def accepts_any_size(model: Any, example: Any) -> bool:
+    """Whether ``model`` runs at another spatial size with an output of the same shape.
+
+    Fully convolutional models with a global pool (like the example ResNet-18) do; models with a
+    flatten straight into a linear layer do not, and are exported with a fixed height and width.
+    """
+    import torch
+
+    height, width = example.shape[-2:]
+    probe = torch.zeros(
+        (1, example.shape[1], height * 2, width * 2 + 8), dtype=example.dtype
+    )
+    with torch.no_grad():
+        try:
+            reference = model(example[:1])
+            other = model(probe)
+        except Exception:  # any failure at another size means "fixed size"
+            return False
+    return bool(reference.shape == other.shape)
+
+
+def clean_onnx(model: Any) -> Any:
+    """Fold BatchNorm and constants and drop dead nodes with onnxslim; returns a new model."""
+    onnxslim = require("onnxslim", extra="host", purpose="ONNX graph clean-up")
+    try:
+        return onnxslim.slim(model)
+    except Exception as exc:  # onnxslim raises many types on graphs it cannot handle
+        raise ModelError(f"onnxslim could not optimise the graph: {exc}") from exc
+
+
+def export_onnx(
+    model: Any,
+    example: Any,
+    *,
+    opset: int = DEFAULT_OPSET,
+    input_name: str = INPUT_NAME,
+    output_name: str = OUTPUT_NAME,
+    check_inputs: list[np.ndarray] | None = None,
+    atol: float = 1e-3,
+    rtol: float = 1e-3,
+) -> ExportResult:
+    """Export ``model`` (an ``nn.Module``) to a clean ONNX graph and check it against PyTorch.
+
+    Args:
+        model: The model; it is put in eval mode.
+        example: A float tensor of shape (N, C, H, W) at the size the model is used at.
+        opset: ONNX opset, at least 17.
+        check_inputs: Real input batches to compare ONNX Runtime and PyTorch on (in addition to
+            the example and, for size-agnostic models, a 224x224 batch).
+        atol, rtol: Tolerance of the comparison (``|onnx - torch| <= atol + rtol * |torch|``).
+
+    Raises:
+        ModelError: The export fails, or the ONNX output disagrees with PyTorch.
+    """
+    import torch
+
+    onnx = require("onnx", extra="host", purpose="ONNX export")
+    if opset < MIN_OPSET:
+        raise ModelError(f"opset must be >= {MIN_OPSET}", found=opset)
+    started = time.perf_counter()
+    model = model.eval()
+    dynamic_spatial = accepts_any_size(model, example)
+    axes: dict[int, str] = {0: "batch"}
+    if dynamic_spatial:
+        axes.update({2: "height", 3: "width"})
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():
+        # The TorchScript exporter is deprecated in favour of dynamo export; see module docstring.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            torch.onnx.export(
+                model,
+                (example,),
+                buffer,
+                dynamo=False,
+                opset_version=opset,
+                input_names=[input_name],
+                output_names=[output_name],
+                dynamic_axes={input_name: axes, output_name: {0: "batch"}},
+                do_constant_folding=False,
+            )
+        except Exception as exc:
+            raise ModelError(f"torch.onnx.export failed: {exc}") from exc
+    raw = onnx.load_from_string(buffer.getvalue())
+    cleaned = clean_onnx(raw)
+    try:
+        onnx.checker.check_model(cleaned)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError(f"exported ONNX is invalid: {exc}") from exc
+    remaining_bn = sum(node.op_type == "BatchNormalization" for node in cleaned.graph.node)
+    if remaining_bn:
+        log.warning("%d BatchNormalization nodes could not be folded (not after a conv)", remaining_bn)
+    model_bytes = cleaned.SerializeToString()
+
+    batches = [example.numpy()] + list(check_inputs or [])
+    if dynamic_spatial:
+        generator = torch.Generator().manual_seed(0)
+        batches.append(torch.randn((2, example.shape[1], 224, 224), generator=generator).numpy())
+    checks, max_error = compare_with_torch(model, model_bytes, input_name, batches, atol, rtol)
+    input_shape = tuple(
+        dim.dim_param or dim.dim_value for dim in cleaned.graph.input[0].type.tensor_type.shape.dim
+    )
+    result = ExportResult(
+        model_bytes=model_bytes,
+        input_name=input_name,
+        output_names=tuple(output.name for output in cleaned.graph.output),
+        input_shape=input_shape,
+        dynamic_spatial=dynamic_spatial,
+        node_counts_before=node_counts(raw),
+        node_counts_after=node_counts(cleaned),
+        max_abs_error=max_error,
+        seconds=time.perf_counter() - started,
+        checks=checks,
+    )
+    log.info(
+        "exported ONNX opset %d: %d nodes -> %d after clean-up, max |onnx - torch| = %.2e",
+        opset,
+        sum(result.node_counts_before.values()),
+        sum(result.node_counts_after.values()),
+        max_error,
+    )
+    return result
+
+
+def compare_with_torch(
+    model: Any,
+    model_bytes: bytes,
+    input_name: str,
+    batches: list[np.ndarray],
+    atol: float,
+    rtol: float,
+) -> tuple[list[dict[str, Any]], float]:
+    """Run each batch through ONNX Runtime and PyTorch; raise if any output is out of tolerance."""
+    import torch
+
+    from models.ort import create_session
+
+    session = create_session(model_bytes)
+    checks = []
+    worst = 0.0
+    for batch in batches:
+        with torch.no_grad():
+            expected = model(torch.from_numpy(batch)).numpy()
+        actual = session.run(None, {input_name: batch})[0]
+        if actual.shape != expected.shape:
+            raise ModelError(
+                "ONNX output shape differs from PyTorch",
+                input_shape=batch.shape,
+                expected=expected.shape,
+                found=actual.shape,
+            )
+        error = np.abs(actual - expected)
+        max_error = float(error.max())
+        worst = max(worst, max_error)
+        allowed = atol + rtol * np.abs(expected)
+        checks.append({"input_shape": list(batch.shape), "max_abs_error": max_error})
+        if np.any(error > allowed):
+            raise ModelError(
+                "ONNX output differs from PyTorch beyond tolerance",
+                input_shape=batch.shape,
+                max_abs_error=f"{max_error:.3g}",
+                atol=atol,
+                rtol=rtol,
+            )
+    return checks, worst

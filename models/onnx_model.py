@@ -1,0 +1,77 @@
+"""Reading and describing ONNX models given by the user, with errors that name the problem."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.deps import require
+from agent.errors import ModelError
+
+# ONNX TensorProto element types to numpy dtype names (the ones a vision model's I/O uses).
+_ELEM_TYPES = {1: "float32", 2: "uint8", 3: "int8", 6: "int32", 7: "int64", 10: "float16", 11: "float64"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An input or output: name, numpy dtype name, shape with -1 for dynamic axes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]  # symbolic names ("batch", "height"), "" for static axes
+
+    def to_manifest(self, layout: str | None = None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if layout:
+            entry["layout"] = layout
+        return entry
+
+
+def load_onnx(path: Path) -> Any:
+    """Load and check an ONNX file; a missing, truncated or invalid file raises ModelError."""
+    onnx = require("onnx", extra="host", purpose="reading ONNX models")
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError("ONNX model not found", path=path)
+    try:
+        model = onnx.load(str(path))
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise ModelError(f"not a readable ONNX model (corrupt or truncated?): {exc}", path=path) from exc
+    if not model.graph.node:
+        raise ModelError("ONNX model has no nodes (empty or truncated file?)", path=path)
+    try:
+        onnx.checker.check_model(model)
+    except Exception as exc:
+        raise ModelError(f"invalid ONNX model: {str(exc).splitlines()[0]}", path=path) from exc
+    return model
+
+
+def _spec(value_info: Any) -> TensorSpec:
+    tensor_type = value_info.type.tensor_type
+    dims = []
+    names = []
+    for dim in tensor_type.shape.dim:
+        if dim.HasField("dim_value") and dim.dim_value > 0:
+            dims.append(int(dim.dim_value))
+            names.append("")
+        else:
+            dims.append(-1)
+            names.append(dim.dim_param or "?")
+    dtype = _ELEM_TYPES.get(tensor_type.elem_type)
+    if dtype is None:
+        raise ModelError(
+            "unsupported tensor element type", tensor=value_info.name, elem_type=tensor_type.elem_type
+        )
+    return TensorSpec(value_info.name, dtype, tuple(dims), tuple(names))
+
+
+def io_specs(model: Any) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The graph's real inputs (initializers excluded) and outputs."""
+    initializers = {init.name for init in model.graph.initializer}
+    inputs = [_spec(value) for value in model.graph.input if value.name not in initializers]
+    outputs = [_spec(value) for value in model.graph.output]
+    if not inputs:
+        raise ModelError("ONNX model has no inputs")
+    return inputs, outputs

@@ -1,0 +1,539 @@
+"""``edge-agent build``: trained model -> pruned -> ONNX -> INT8 with mixed precision -> signed bundle.
+
+Everything is produced in a staging directory inside the output directory and moved into place
+only when the whole build has succeeded, so a failed or interrupted build leaves no half-written
+bundle or report behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent import __version__
+from agent.errors import ConfigError, ModelError, PruningError
+from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
+from models.calibration import DEFAULT_SAMPLES, CalibrationSet, from_array, from_directory
+from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, quantize_model
+
+log = logging.getLogger(__name__)
+
+MIN_AGENT_VERSION = "0.1.0"
+_BUNDLE_NAME = re.compile(r"^(?P<name>[a-z0-9][a-z0-9._-]*)-(?P<version>\d+)\.bundle$")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What to build. Exactly one of ``model`` (an example from the zoo), ``user_model``
+    (``module:callable``, with ``checkpoint`` and ``calib_dir``) or ``onnx`` (with ``calib_dir``)."""
+
+    out_dir: Path
+    model: str | None = None
+    user_model: str | None = None
+    checkpoint: Path | None = None
+    onnx: Path | None = None
+    calib_dir: Path | None = None
+    prune_ratio: float | None = None
+    prune_target_macs: int | None = None
+    prune_importance: str = "l2"
+    prune_scope: str = "uniform"
+    round_to: int = 32
+    prune_steps: int = 1
+    finetune_epochs: int = 4
+    calib_samples: int = DEFAULT_SAMPLES
+    calib_method: str = "entropy"
+    accuracy_budget: float = 1.0
+    key: Path | None = None
+    name: str | None = None
+    version: int | None = None
+    max_batch: int = 32
+    opt_batch: int = 8
+    speed_size: int = 224
+    threads: int = 2
+    build_engine: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        sources = [self.model is not None, self.user_model is not None, self.onnx is not None]
+        if sum(sources) != 1:
+            raise ConfigError("give exactly one of --model, --user-model or --onnx")
+        if (self.onnx is not None or self.user_model is not None) and self.calib_dir is None:
+            raise ConfigError("--onnx and --user-model need --calib-dir with calibration samples")
+        if self.prune_ratio is not None and not 0.0 <= self.prune_ratio < 1.0:
+            raise ConfigError("prune ratio must be in [0, 1)", found=self.prune_ratio)
+        if self.onnx is not None and (self.prune_ratio or self.prune_target_macs):
+            raise ConfigError("an ONNX model cannot be pruned; prune the PyTorch model instead")
+        if not 1 <= self.opt_batch <= self.max_batch:
+            raise ConfigError("need 1 <= opt batch <= max batch", opt_batch=self.opt_batch,
+                              max_batch=self.max_batch)
+        if self.version is not None and self.version < 1:
+            raise ConfigError("version must be >= 1", found=self.version)
+        if self.name is not None and not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", self.name):
+            raise ConfigError("name must be lower-case letters, digits, '.', '_' or '-'",
+                              found=self.name)
+        if self.calib_samples < 1:
+            raise ConfigError("calibration sample count must be >= 1", found=self.calib_samples)
+
+
+@dataclass
+class BuildResult:
+    bundle_path: Path
+    report_path: Path
+    report: dict[str, Any]
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def next_version(out_dir: Path, name: str) -> int:
+    """One more than the highest version of ``name`` already in ``out_dir``."""
+    versions = [
+        int(match["version"])
+        for path in (out_dir.iterdir() if out_dir.is_dir() else [])
+        if (match := _BUNDLE_NAME.match(path.name)) and match["name"] == name
+    ]
+    return max(versions, default=0) + 1
+
+
+def _slug(text: str) -> str:
+    slug = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-._")
+    return slug or "model"
+
+
+def _signing_key(options: BuildOptions) -> tuple[Any, str, Path | None]:
+    """The private key to sign with; a new pair in the output directory when none is given."""
+    from models import signing
+
+    if options.key is not None:
+        key = signing.load_private_key(options.key)
+        return key, signing.compute_key_id(key.public_key()), None
+    default = options.out_dir / "signing.key"
+    if not default.exists():
+        signing.write_keypair(default)
+        log.warning(
+            "no --key given: generated a signing key at %s; devices must trust %s.pub",
+            default,
+            default,
+        )
+    key = signing.load_private_key(default)
+    return key, signing.compute_key_id(key.public_key()), default
+
+
+def _speed(model_bytes: bytes, input_name: str, shape: tuple[int, ...], threads: int,
+           repeats: int = 5) -> float:
+    """Images per second of an ONNX model on this host (best of ``repeats`` runs)."""
+    from models.ort import create_session
+
+    session = create_session(model_bytes, threads=threads)
+    batch = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    session.run(None, {input_name: batch})
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        session.run(None, {input_name: batch})
+        best = min(best, time.perf_counter() - started)
+    return shape[0] / best
+
+
+class _Stages:
+    """Times and logs the stages of a build."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def run(self, name: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+        log.info("== %s", name)
+        started = time.perf_counter()
+        result = function(*args, **kwargs)
+        self.seconds[name] = round(time.perf_counter() - started, 2)
+        return result
+
+
+def _prune(model: Any, options: BuildOptions, train_split: Any, held_out: Any,
+           example: Any) -> tuple[Any, dict[str, Any]]:
+    from pruning import PruneConfig, prune_model
+
+    from models.train import TrainConfig, predict, top1_accuracy, train
+
+    config = PruneConfig(
+        ratio=options.prune_ratio,
+        target_macs=options.prune_target_macs,
+        importance=options.prune_importance,
+        scope=options.prune_scope,
+        round_to=options.round_to,
+        iterative_steps=options.prune_steps,
+    )
+    finetune_config = TrainConfig(epochs=options.finetune_epochs, learning_rate=0.01)
+
+    def finetune(pruned: Any, step: int) -> None:
+        log.info("fine-tuning after pruning step %d (%d epochs)", step + 1, finetune_config.epochs)
+        train(pruned, train_split, finetune_config, progress=options.progress)
+
+    def loss_batches():
+        import torch
+
+        for start in range(0, min(len(train_split), 512), 64):
+            yield (torch.from_numpy(train_split.images[start:start + 64]),
+                   torch.from_numpy(train_split.labels[start:start + 64]))
+
+    result = prune_model(model, example, config, finetune=finetune, loss_batches=loss_batches,
+                         progress=options.progress)
+    accuracy = top1_accuracy(predict(result.model, held_out.images), held_out.labels)
+    report = result.report.to_dict()
+    report["top1"] = accuracy
+    log.info("pruned:\n%s", result.report.format_table())
+    return result.model, report
+
+
+def build(options: BuildOptions) -> BuildResult:
+    """Run the whole pipeline; see the module docstring."""
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    stages = _Stages()
+    started = time.perf_counter()
+    report: dict[str, Any] = {"agent_version": __version__}
+    key, key_id, generated_key = _signing_key(options)
+
+    with staging_dir(options.out_dir, prefix=".build-") as work:
+        if options.onnx is not None:
+            float_bytes, evaluator, calibration, meta = stages.run(
+                "load ONNX", _from_onnx, options, report)
+        else:
+            float_bytes, evaluator, calibration, meta = stages.run(
+                "prepare PyTorch model", _from_torch, options, report, stages)
+        name = options.name or meta["name"]
+        version = options.version or next_version(options.out_dir, name)
+
+        quantized: QuantizeResult = stages.run(
+            "INT8 calibration and mixed precision",
+            quantize_model,
+            float_bytes,
+            calibration,
+            evaluator,
+            QuantizeConfig(method=options.calib_method, accuracy_budget=options.accuracy_budget,
+                           progress=options.progress),
+            work / "quantize",
+        )
+        report["quantization"] = _quantization_report(quantized, options)
+        report["accuracy"] = _accuracy_report(report, quantized, meta, options)
+
+        speed = stages.run("host speed check", _speed_report, float_bytes, quantized.model_bytes,
+                           meta, options)
+        report["speed"] = speed
+
+        files = {"model.onnx": work / "model.onnx"}
+        files["model.onnx"].write_bytes(quantized.model_bytes)
+        engines: dict[str, str] = {}
+        if options.build_engine:
+            engines = stages.run("TensorRT engine", _build_engine, files, work, quantized, options)
+
+        from models.onnx_model import io_specs
+        import onnx
+
+        inputs, outputs = io_specs(onnx.load_from_string(quantized.model_bytes))
+        manifest = {
+            "name": name,
+            "version": version,
+            "inputs": [spec.to_manifest("NCHW" if len(spec.shape) == 4 else None) for spec in inputs],
+            "outputs": [spec.to_manifest() for spec in outputs],
+            "preprocessing": meta.get("preprocessing"),
+            "precision": quantized.precision_plan(),
+            "max_batch": options.max_batch,
+            "opt_batch": options.opt_batch,
+            "calibration": quantized.calibration,
+            "accuracy": report["accuracy"],
+            "engines": engines,
+            "min_agent_version": MIN_AGENT_VERSION,
+            "spatial": meta.get("spatial"),
+        }
+        report.update(
+            {
+                "name": name,
+                "version": version,
+                "source": meta["source"],
+                "signing_key_id": key_id,
+                "timings_s": stages.seconds,
+            }
+        )
+        report["timings_s"]["total"] = round(time.perf_counter() - started, 2)
+        report_text = json.dumps(report, indent=2, sort_keys=True, default=_json_default) + "\n"
+        (work / "report.json").write_text(report_text)
+        files["report.json"] = work / "report.json"
+
+        from models.bundle import pack_bundle
+
+        bundle_path = options.out_dir / f"{name}-{version}.bundle"
+        if bundle_path.exists():
+            raise ConfigError("bundle already exists; pick another --version", path=bundle_path)
+        final_manifest = pack_bundle(bundle_path, manifest, files, key)
+        report_path = options.out_dir / "report.json"
+        atomic_write_text(report_path, report_text)
+        fsync_dir(options.out_dir)
+    if generated_key is not None:
+        report["generated_key"] = str(generated_key)
+    return BuildResult(bundle_path, report_path, report, final_manifest)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
+    import torch
+
+    from models import zoo
+    from models.checkpoints import load_example
+    from pruning import count_macs_and_params
+    from models.data import load_digits_splits
+    from models.export import export_onnx
+    from models.train import predict, top1_accuracy
+
+    torch.set_num_threads(options.threads)
+    if options.model is None:
+        # A user's PyTorch model: calibration samples from a directory, agreement as the metric.
+        return _from_user_torch(options, report, stages)
+    spec = zoo.get(options.model)
+    train_split, held_out = load_digits_splits(spec.train_size)
+    model = stages.run("load trained model", load_example, spec.name, threads=options.threads)
+    example = torch.from_numpy(train_split.images[:2])
+    fp32_top1 = top1_accuracy(predict(model, held_out.images), held_out.labels)
+    speed_example = torch.zeros(1, 3, options.speed_size, options.speed_size)
+    macs, params = count_macs_and_params(model, speed_example)
+    report["model"] = {"fp32_top1": fp32_top1, "params": params, f"macs_{options.speed_size}": macs}
+    pruned_top1 = None
+    if options.prune_ratio or options.prune_target_macs:
+        # MACs (and a MAC target) are counted at the deployment size, not the training size.
+        model, prune_report = stages.run("prune channels", _prune, model, options, train_split,
+                                         held_out, speed_example)
+        report["pruning"] = prune_report
+        pruned_top1 = prune_report["top1"]
+        macs_after, params_after = count_macs_and_params(model, speed_example)
+        report["model"].update({"pruned_params": params_after,
+                                f"pruned_macs_{options.speed_size}": macs_after})
+    exported = stages.run("export ONNX", export_onnx, model, example,
+                          check_inputs=[held_out.images[:64]])
+    report["export"] = _export_report(exported)
+    calibration = from_array(train_split.images, exported.input_name, options.calib_samples,
+                             source=f"digits train split ({len(train_split)} images)")
+    evaluator = Evaluator({exported.input_name: held_out.images}, held_out.labels)
+    from models.data import digits_preprocessing
+
+    meta = {
+        "name": spec.name,
+        "source": {"kind": "zoo", "model": spec.name},
+        "dataset": f"digits held-out split ({len(held_out)} images, {spec.train_size}x{spec.train_size})",
+        "fp32_torch_metric": fp32_top1,
+        "pruned_torch_metric": pruned_top1,
+        "preprocessing": digits_preprocessing(spec.train_size).to_dict(),
+        "input_name": exported.input_name,
+        "sample_shape": tuple(train_split.images.shape[1:]),
+        "dynamic_spatial": exported.dynamic_spatial,
+    }
+    return exported.model_bytes, evaluator, calibration, meta
+
+
+def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
+    import torch
+
+    from models.export import export_onnx
+    from models.loader import load_user_model
+    from models.onnx_model import TensorSpec
+
+    if options.prune_ratio or options.prune_target_macs:
+        raise PruningError(
+            "pruning a user model needs labelled fine-tuning data; use the pruning API "
+            "(pruning.prune_model) and build from the saved pruned model"
+        )
+    model = stages.run("load user model", load_user_model, options.user_model, options.checkpoint)
+    probe = from_directory(options.calib_dir,
+                           [TensorSpec("input", "float32", (-1, -1, -1, -1), ("batch",) * 4)],
+                           samples=1)
+    example = torch.from_numpy(probe.arrays["input"])
+    exported = stages.run("export ONNX", export_onnx, model, example)
+    report["export"] = _export_report(exported)
+    from models.onnx_model import io_specs
+    import onnx
+
+    inputs, _ = io_specs(onnx.load_from_string(exported.model_bytes))
+    calibration = from_directory(options.calib_dir, inputs, options.calib_samples)
+    evaluator = _agreement_evaluator(exported.model_bytes, calibration)
+    meta = {
+        "name": _slug(options.user_model.split(":")[-1]),
+        "source": {"kind": "pytorch", "model": options.user_model,
+                   "checkpoint": str(options.checkpoint) if options.checkpoint else None},
+        "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
+        "input_name": exported.input_name,
+        "sample_shape": tuple(example.shape[1:]),
+        "dynamic_spatial": exported.dynamic_spatial,
+    }
+    return exported.model_bytes, evaluator, calibration, meta
+
+
+def _agreement_evaluator(float_bytes: bytes, calibration: CalibrationSet) -> Evaluator:
+    """Without labels, INT8 is judged by agreement with the FP32 model on the calibration set."""
+    reference = Evaluator(calibration.arrays, reference=np.zeros((len(calibration), 1)))
+    return Evaluator(calibration.arrays, reference=reference.outputs(float_bytes))
+
+
+def _from_onnx(options: BuildOptions, report: dict[str, Any]):
+    from models.export import clean_onnx, node_counts
+    from models.onnx_model import io_specs, load_onnx
+
+    raw = load_onnx(options.onnx)
+    inputs, _ = io_specs(raw)
+    calibration = from_directory(options.calib_dir, inputs, options.calib_samples)
+    cleaned = clean_onnx(raw)
+    report["export"] = {
+        "node_counts_before": node_counts(raw),
+        "node_counts_after": node_counts(cleaned),
+    }
+    float_bytes = cleaned.SerializeToString()
+    evaluator = _agreement_evaluator(float_bytes, calibration)
+    first = inputs[0]
+    meta = {
+        "name": _slug(options.onnx.stem),
+        "source": {"kind": "onnx", "path": str(options.onnx)},
+        "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
+        "input_name": first.name,
+        "sample_shape": tuple(calibration.arrays[first.name].shape[1:]),
+        "dynamic_spatial": len(first.shape) == 4 and first.shape[2] == -1 and first.shape[3] == -1,
+    }
+    return float_bytes, evaluator, calibration, meta
+
+
+def _export_report(exported: Any) -> dict[str, Any]:
+    return {
+        "opset": 17,
+        "input_shape": list(exported.input_shape),
+        "dynamic_spatial": exported.dynamic_spatial,
+        "node_counts_before": exported.node_counts_before,
+        "node_counts_after": exported.node_counts_after,
+        "max_abs_error_vs_torch": exported.max_abs_error,
+        "checks": exported.checks,
+        "seconds": round(exported.seconds, 2),
+    }
+
+
+def _quantization_report(result: QuantizeResult, options: BuildOptions) -> dict[str, Any]:
+    return {
+        "format": "QDQ, symmetric INT8, per-channel weights, float bias",
+        "calibration": result.calibration,
+        "accuracy_budget": options.accuracy_budget,
+        "fp16_layers": result.fp16_layers,
+        "int8_layer_count": len(result.int8_layers),
+        "sensitivity": [layer.to_dict() for layer in result.sensitivity],
+        "search": result.search_trace,
+        "node_counts": result.node_counts,
+        "seconds": {name: round(value, 2) for name, value in result.seconds.items()},
+    }
+
+
+def _accuracy_report(report: dict[str, Any], result: QuantizeResult, meta: dict[str, Any],
+                     options: BuildOptions) -> dict[str, Any]:
+    accuracy: dict[str, Any] = {
+        "metric": result.metric_name,
+        "dataset": meta["dataset"],
+        "fp32": round(result.float_metric, 3),
+        "int8_all_layers": round(result.full_int8_metric, 3),
+        "int8": round(result.int8_metric, 3),
+        "drop": round(result.drop, 3),
+        "budget": options.accuracy_budget,
+        "fp16_layers": len(result.fp16_layers),
+    }
+    if meta.get("fp32_torch_metric") is not None:
+        accuracy["fp32_unpruned"] = round(meta["fp32_torch_metric"], 3)
+    if meta.get("pruned_torch_metric") is not None:
+        accuracy["pruned_fp32"] = round(meta["pruned_torch_metric"], 3)
+        accuracy["drop_vs_unpruned"] = round(meta["fp32_torch_metric"] - result.int8_metric, 3)
+    return accuracy
+
+
+def _speed_report(float_bytes: bytes, int8_bytes: bytes, meta: dict[str, Any],
+                  options: BuildOptions) -> dict[str, Any]:
+    sample_shape = meta["sample_shape"]
+    if meta["dynamic_spatial"] and len(sample_shape) == 3:
+        sample_shape = (sample_shape[0], options.speed_size, options.speed_size)
+    shape = (options.opt_batch, *sample_shape)
+    fp32 = _speed(float_bytes, meta["input_name"], shape, options.threads)
+    int8 = _speed(int8_bytes, meta["input_name"], shape, options.threads)
+    return {
+        "where": f"this host's CPU, ONNX Runtime, {options.threads} threads",
+        "input_shape": list(shape),
+        "fp32_img_s": round(fp32, 2),
+        "int8_img_s": round(int8, 2),
+        "int8_speedup": round(int8 / fp32, 2),
+        "note": "TensorRT speed is measured on the device; see `edge-agent bench`",
+    }
+
+
+def _build_engine(files: dict[str, Path], work: Path, quantized: QuantizeResult,
+                  options: BuildOptions) -> dict[str, str]:
+    from models.tensorrt_builder import EngineBuildConfig, build_engine
+
+    config = EngineBuildConfig(opt_batch=options.opt_batch, max_batch=options.max_batch,
+                               fp16_layers=tuple(quantized.fp16_layers))
+    result = build_engine(files["model.onnx"], config)
+    member = f"engines/{result.fingerprint.key()}.plan"
+    path = work / member
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(result.plan)
+    files[member] = path
+    if result.timing_cache:
+        (work / "timing.cache").write_bytes(result.timing_cache)
+        files["timing.cache"] = work / "timing.cache"
+    return {result.fingerprint.key(): member}
+
+
+def format_summary(result: BuildResult) -> str:
+    """A readable summary of a build for the terminal."""
+    report = result.report
+    accuracy = report["accuracy"]
+    lines = [
+        f"bundle   {result.bundle_path}",
+        f"report   {result.report_path}",
+        f"model    {report['name']} v{report['version']}  (signed by key {report['signing_key_id']})",
+        f"accuracy ({accuracy['metric']}, {accuracy['dataset']})",
+    ]
+    if "fp32_unpruned" in accuracy:
+        lines.append(f"  FP32 (PyTorch)     {accuracy['fp32_unpruned']:.2f}")
+    if "pruned_fp32" in accuracy:
+        lines.append(f"  pruned FP32        {accuracy['pruned_fp32']:.2f}")
+    lines += [
+        f"  FP32 (ONNX)        {accuracy['fp32']:.2f}",
+        f"  INT8, all layers   {accuracy['int8_all_layers']:.2f}",
+        f"  INT8, mixed        {accuracy['int8']:.2f}  (drop {accuracy['drop']:.2f}, "
+        f"budget {accuracy['budget']:.2f}, {accuracy['fp16_layers']} layer(s) in FP16)",
+    ]
+    fp16 = report["quantization"]["fp16_layers"]
+    if fp16:
+        lines.append("  FP16 layers: " + ", ".join(fp16))
+    model = report.get("model")
+    if model:
+        size = next((key.split("_")[-1] for key in model if key.startswith("macs_")), "")
+        line = f"size     {model['params'] / 1e6:.2f} M params, {model[f'macs_{size}'] / 1e9:.2f} GMACs at {size}"
+        if "pruned_params" in model:
+            line += (f" -> pruned {model['pruned_params'] / 1e6:.2f} M params, "
+                     f"{model[f'pruned_macs_{size}'] / 1e9:.2f} GMACs")
+        lines.append(line)
+    export = report.get("export", {})
+    if export:
+        before = sum(export["node_counts_before"].values())
+        after = sum(export["node_counts_after"].values())
+        lines.append(f"graph    {before} nodes exported -> {after} after BN folding and clean-up")
+    speed = report["speed"]
+    lines.append(
+        f"speed    {speed['where']}, input {'x'.join(map(str, speed['input_shape']))}: "
+        f"FP32 {speed['fp32_img_s']:.1f} img/s, INT8 {speed['int8_img_s']:.1f} img/s "
+        f"({speed['int8_speedup']:.2f}x)"
+    )
+    timings = report["timings_s"]
+    lines.append("time     " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in timings.items()))
+    return "\n".join(lines)

@@ -1,0 +1,524 @@
+"""INT8 post-training quantization to a QDQ ONNX model that TensorRT accepts, with mixed precision.
+
+The format (checked by :func:`check_qdq_format` after every quantization):
+
+- symmetric INT8 for activations and weights: every zero point is 0 (TensorRT rejects others);
+- per-channel weight scales (axis 0 of a Conv weight: output channels);
+- weights stay float initializers behind a QuantizeLinear/DequantizeLinear pair, which is what
+  TensorRT 8.5's ONNX parser expects, and biases stay float (TensorRT rejects an INT32
+  DequantizeLinear);
+- a dedicated Q/DQ pair for every consumer of a tensor, so ONNX Runtime's CPU provider can fuse
+  each ``DQ -> op -> Q`` group into one integer kernel (TensorRT does not care either way).
+
+Quantization is done with onnxruntime.quantization (``quantize_static`` in QDQ format). Ranges are
+calibrated once (entropy, percentile or min-max) and cached, so the mixed-precision search can
+re-quantize with different layers excluded without calibrating again.
+
+Mixed precision: each candidate layer is quantized alone to measure how much INT8 hurts it
+(SQNR and cosine of the model output against FP32). If the fully quantized model misses the
+accuracy budget, the most sensitive layers are kept out of INT8 one by one until it is met; then
+every kept-out layer is tried back in INT8 (least sensitive first) and left there if the budget
+still holds, so the final set has no layer that can be dropped from it. Kept-out layers are
+recorded in the bundle's precision plan as FP16 layers: TensorRT runs them in FP16 on the board.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent.deps import require
+from agent.errors import CalibrationError, ConfigError, InternalError, QuantizationError
+from agent.fsutil import atomic_write_bytes
+from models.calibration import CalibrationReader, CalibrationSet
+from models.ort import create_session
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_METHODS = ("entropy", "percentile", "minmax")
+# Layers the mixed-precision search may keep out of INT8: the ones that carry the arithmetic.
+CANDIDATE_OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul", "Add")
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    method: str = "entropy"
+    percentile: float = 99.999
+    accuracy_budget: float = 1.0  # points of the metric (top-1 or agreement, in percent)
+    batch_size: int = 32
+    sensitivity_samples: int = 256
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in CALIBRATION_METHODS:
+            raise ConfigError(
+                "unknown calibration method", found=self.method, expected="|".join(CALIBRATION_METHODS)
+            )
+        if not 0.0 <= self.accuracy_budget <= 100.0:
+            raise ConfigError("accuracy budget must be in [0, 100] points", found=self.accuracy_budget)
+        if not 90.0 < self.percentile <= 100.0:
+            raise ConfigError("percentile must be in (90, 100]", found=self.percentile)
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    name: str
+    op_type: str
+    sqnr_db: float
+    cosine: float
+    metric: float  # top-1 or agreement with only this layer in INT8
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "op_type": self.op_type,
+            "sqnr_db": round(self.sqnr_db, 2),
+            "cosine": round(self.cosine, 6),
+            "metric": round(self.metric, 3),
+        }
+
+
+@dataclass
+class QuantizeResult:
+    model_bytes: bytes
+    metric_name: str
+    float_metric: float
+    full_int8_metric: float
+    int8_metric: float
+    int8_layers: list[str]
+    fp16_layers: list[str]
+    sensitivity: list[LayerSensitivity]
+    search_trace: list[dict[str, Any]]
+    calibration: dict[str, Any]
+    node_counts: dict[str, int]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def drop(self) -> float:
+        return self.float_metric - self.int8_metric
+
+    def precision_plan(self) -> dict[str, list[str]]:
+        return {"int8_layers": self.int8_layers, "fp16_layers": self.fp16_layers, "fp32_layers": []}
+
+
+class Evaluator:
+    """Scores a model on fixed samples: top-1 against labels, or agreement with FP32 outputs.
+
+    Args:
+        inputs: Input name to an N x ... array.
+        labels: Integer labels; ``None`` means "no labels", and the score is the percentage of
+            samples whose top-1 class matches ``reference`` (the FP32 model's outputs).
+    """
+
+    def __init__(
+        self,
+        inputs: dict[str, np.ndarray],
+        labels: np.ndarray | None = None,
+        reference: np.ndarray | None = None,
+        batch_size: int = 128,
+    ) -> None:
+        if labels is None and reference is None:
+            raise InternalError("an evaluator needs labels or reference outputs")
+        self.inputs = inputs
+        self.labels = labels
+        self.reference = reference
+        self.batch_size = batch_size
+
+    @property
+    def metric_name(self) -> str:
+        return "top1" if self.labels is not None else "agreement"
+
+    def outputs(self, model_bytes: bytes) -> np.ndarray:
+        """First output of the model for every sample."""
+        session = create_session(model_bytes)
+        count = next(iter(self.inputs.values())).shape[0]
+        parts = []
+        for start in range(0, count, self.batch_size):
+            feed = {name: array[start : start + self.batch_size] for name, array in self.inputs.items()}
+            parts.append(session.run(None, feed)[0])
+        return np.concatenate(parts, axis=0)
+
+    def score(self, outputs: np.ndarray) -> float:
+        predicted = top1_classes(outputs)
+        target = self.labels if self.labels is not None else top1_classes(self.reference)
+        return float((predicted == target).mean() * 100.0)
+
+    def __call__(self, model_bytes: bytes) -> float:
+        return self.score(self.outputs(model_bytes))
+
+
+def top1_classes(outputs: np.ndarray) -> np.ndarray:
+    """Predicted class per sample; outputs beyond 2-D are flattened per sample."""
+    return outputs.reshape(outputs.shape[0], -1).argmax(axis=1)
+
+
+def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
+    """Signal-to-quantization-noise ratio of ``test`` against ``reference``, in dB."""
+    noise = float(np.sum((reference.astype(np.float64) - test) ** 2))
+    signal = float(np.sum(reference.astype(np.float64) ** 2))
+    if noise == 0.0:
+        return float("inf")
+    return 10.0 * float(np.log10(max(signal, 1e-30) / noise))
+
+
+def cosine_similarity(reference: np.ndarray, test: np.ndarray) -> float:
+    a = reference.reshape(reference.shape[0], -1).astype(np.float64)
+    b = test.reshape(test.shape[0], -1).astype(np.float64)
+    numerator = np.sum(a * b, axis=1)
+    denominator = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return float(np.mean(numerator / np.maximum(denominator, 1e-30)))
+
+
+class QdqQuantizer:
+    """Calibrates a float ONNX model once, then quantizes it with any set of layers excluded.
+
+    Args:
+        float_model: Serialized float ONNX model (BatchNorm folded).
+        calibration: Real preprocessed samples.
+        config: Quantization settings.
+        workdir: A private scratch directory (the caller removes it).
+    """
+
+    def __init__(
+        self, float_model: bytes, calibration: CalibrationSet, config: QuantizeConfig, workdir: Path
+    ) -> None:
+        self._quantization = require(
+            "onnxruntime.quantization", extra="host", purpose="INT8 quantization"
+        )
+        onnx = require("onnx", extra="host", purpose="INT8 quantization")
+        if len(calibration) == 0:
+            raise CalibrationError("calibration set is empty")
+        self.config = config
+        self.calibration = calibration
+        self.workdir = Path(workdir)
+        self.float_path = self.workdir / "float.onnx"
+        self.cache_path = self.workdir / "calibration.json"
+        raw_path = self.workdir / "float.raw.onnx"
+        atomic_write_bytes(raw_path, float_model)
+        # Shape inference and basic graph optimisation, as ONNX Runtime recommends before QDQ.
+        self._quantization.quant_pre_process(str(raw_path), str(self.float_path))
+        self.float_model = onnx.load(str(self.float_path))
+        self.candidates = [
+            (node.name, node.op_type)
+            for node in self.float_model.graph.node
+            if node.op_type in CANDIDATE_OP_TYPES
+        ]
+        names = [node.name for node in self.float_model.graph.node]
+        if len(set(names)) != len(names) or any(not name for name in names):
+            raise QuantizationError("every node of the model needs a unique, non-empty name")
+        self._neighbours = _candidate_neighbours(self.float_model, {name for name, _ in self.candidates})
+        self.calibration_seconds = 0.0
+
+    def expand_exclusions(self, excluded: Sequence[str]) -> list[str]:
+        """``excluded`` plus every other node (Relu, pooling, ...) whose neighbouring layers are all
+        excluded: quantizing such a node alone adds rounding error and saves nothing, and with every
+        layer excluded the result is the float model."""
+        kept_out = set(excluded)
+        satellites = [
+            node
+            for node, layers in self._neighbours.items()
+            if layers <= kept_out
+        ]
+        return sorted(kept_out | set(satellites))
+
+    def _method(self) -> Any:
+        methods = self._quantization.CalibrationMethod
+        return {"entropy": methods.Entropy, "percentile": methods.Percentile, "minmax": methods.MinMax}[
+            self.config.method
+        ]
+
+    def calibrate(self) -> None:
+        """Collect activation ranges on the calibration set and cache them (done once)."""
+        from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
+
+        # quantize_static would build the entropy calibrator with 128 histogram bins and 128
+        # quantized bins, which leaves no threshold to search (it degenerates to min-max). TensorRT's
+        # entropy calibrator uses 2048 bins folded into 128, so do the same here.
+        options = {
+            "symmetric": True,
+            "num_bins": 2048,
+            "num_quantized_bins": 128,
+            "percentile": self.config.percentile,
+        }
+        reader = CalibrationReader(self.calibration, self.config.batch_size, self.config.progress)
+        started = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):  # ORT prints its progress to stdout
+            calibrator = create_calibrator(
+                self.float_path,
+                None,
+                augmented_model_path=str(self.workdir / "augmented.onnx"),
+                calibrate_method=self._method(),
+                extra_options=options,
+            )
+            try:
+                calibrator.collect_data(reader)
+            except Exception as exc:  # ORT raises plain Exceptions for input mismatches
+                raise CalibrationError(f"calibration data does not fit the model: {exc}") from exc
+            ranges = calibrator.compute_data()
+        save_tensors_data(ranges, self.cache_path)
+        self.calibration_seconds = time.perf_counter() - started
+
+    def quantize(
+        self, *, exclude: Sequence[str] = (), only: Sequence[str] | None = None
+    ) -> bytes:
+        """A QDQ model with ``exclude`` kept in float (or only the layers ``only`` quantized)."""
+        q = self._quantization
+        if only is not None:
+            excluded = [name for name, _ in self.candidates if name not in set(only)]
+        else:
+            excluded = list(exclude)
+        if not self.cache_path.exists():
+            self.calibrate()
+        output_path = self.workdir / "quantized.onnx"
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                q.quantize_static(
+                    str(self.float_path),
+                    str(output_path),
+                    None,
+                    quant_format=q.QuantFormat.QDQ,
+                    per_channel=True,
+                    reduce_range=False,
+                    activation_type=q.QuantType.QInt8,
+                    weight_type=q.QuantType.QInt8,
+                    calibrate_method=self._method(),
+                    nodes_to_exclude=self.expand_exclusions(excluded),
+                    calibration_cache_path=str(self.cache_path),
+                    extra_options={
+                        "ActivationSymmetric": True,
+                        "WeightSymmetric": True,
+                        "AddQDQPairToWeight": True,
+                        "QuantizeBias": False,
+                        "DedicatedQDQPair": True,
+                    },
+                )
+        except (ValueError, RuntimeError) as exc:
+            raise QuantizationError(f"ONNX Runtime quantization failed: {exc}") from exc
+        model_bytes = output_path.read_bytes()
+        check_qdq_format(model_bytes)
+        return model_bytes
+
+
+def _candidate_neighbours(model: Any, candidates: set[str]) -> dict[str, frozenset[str]]:
+    """For each non-candidate node, the candidate layers it connects to through other
+    non-candidate nodes (upstream and downstream)."""
+    producers = {output: node for node in model.graph.node for output in node.output}
+    consumers: dict[str, list[Any]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    neighbours = {}
+    for start in model.graph.node:
+        if start.name in candidates:
+            continue
+        found: set[str] = set()
+        seen = {start.name}
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            linked = [producers[name] for name in node.input if name in producers]
+            linked += [c for name in node.output for c in consumers.get(name, [])]
+            for other in linked:
+                if other.name in candidates:
+                    found.add(other.name)
+                elif other.name not in seen:
+                    seen.add(other.name)
+                    stack.append(other)
+        neighbours[start.name] = frozenset(found)
+    return neighbours
+
+
+def check_qdq_format(model_bytes: bytes) -> None:
+    """Check the invariants TensorRT needs (module docstring); a violation is our bug."""
+    onnx = require("onnx", extra="host", purpose="checking QDQ models")
+    from onnx import numpy_helper
+
+    model = onnx.load_from_string(model_bytes)
+    initializers = {init.name: init for init in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        if len(node.input) < 3 or node.input[2] not in initializers:
+            raise InternalError(f"{node.name}: Q/DQ without a constant zero point")
+        zero_point = numpy_helper.to_array(initializers[node.input[2]])
+        if zero_point.dtype != np.int8:
+            raise InternalError(f"{node.name}: zero point is {zero_point.dtype}, not int8")
+        if np.any(zero_point != 0):
+            raise InternalError(f"{node.name}: non-zero zero point")
+        if node.op_type == "DequantizeLinear" and node.input[0] in initializers:
+            raise InternalError(f"{node.name}: weight stored quantized, not as float behind Q/DQ")
+
+
+def quantized_layers(model_bytes: bytes) -> list[str]:
+    """Names of the layers that run in INT8: every data input (a Conv/Gemm bias aside) is
+    dequantized. A kept-out layer may still read one dequantized input from an INT8 neighbour."""
+    onnx = require("onnx", extra="host", purpose="reading QDQ models")
+    model = onnx.load_from_string(model_bytes)
+    dequantized = {
+        output for node in model.graph.node if node.op_type == "DequantizeLinear" for output in node.output
+    }
+    layers = []
+    for node in model.graph.node:
+        if node.op_type not in CANDIDATE_OP_TYPES:
+            continue
+        data_inputs = node.input[:2] if node.op_type in ("Conv", "ConvTranspose", "Gemm") else node.input
+        if all(name in dequantized for name in data_inputs):
+            layers.append(node.name)
+    return layers
+
+
+def measure_sensitivity(
+    quantizer: QdqQuantizer,
+    evaluator: Evaluator,
+    float_outputs: np.ndarray,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[LayerSensitivity]:
+    """Quantize each candidate layer alone; most sensitive (lowest output SQNR) first."""
+    results = []
+    for index, (name, op_type) in enumerate(quantizer.candidates):
+        if progress is not None:
+            progress(index, len(quantizer.candidates), name)
+        outputs = evaluator.outputs(quantizer.quantize(only=[name]))
+        results.append(
+            LayerSensitivity(
+                name=name,
+                op_type=op_type,
+                sqnr_db=sqnr_db(float_outputs, outputs),
+                cosine=cosine_similarity(float_outputs, outputs),
+                metric=evaluator.score(outputs),
+            )
+        )
+    results.sort(key=lambda layer: (layer.sqnr_db, layer.name))
+    return results
+
+
+def search_mixed_precision(
+    quantizer: QdqQuantizer,
+    evaluator: Evaluator,
+    float_metric: float,
+    ranking: Sequence[str],
+    budget: float,
+) -> tuple[list[str], bytes, float, list[dict[str, Any]]]:
+    """Find a minimal set of layers to keep out of INT8 so that the metric drop <= ``budget``.
+
+    Returns:
+        (kept-out layers, their QDQ model, its metric, a trace of every evaluation).
+    """
+    trace: list[dict[str, Any]] = []
+
+    def evaluate(excluded: list[str]) -> tuple[bytes, float]:
+        model_bytes = quantizer.quantize(exclude=excluded)
+        metric = evaluator(model_bytes)
+        trace.append({"fp16_layers": list(excluded), "metric": round(metric, 3)})
+        log.info(
+            "mixed precision: %2d layer(s) kept out of INT8 -> %s %.2f (drop %.2f, budget %.2f)",
+            len(excluded),
+            evaluator.metric_name,
+            metric,
+            float_metric - metric,
+            budget,
+        )
+        return model_bytes, metric
+
+    excluded: list[str] = []
+    model_bytes, metric = evaluate(excluded)
+    for name in ranking:
+        if float_metric - metric <= budget:
+            break
+        excluded.append(name)
+        model_bytes, metric = evaluate(excluded)
+    if float_metric - metric > budget:
+        raise QuantizationError(
+            "accuracy budget not met even with every candidate layer kept out of INT8",
+            budget=budget,
+            drop=round(float_metric - metric, 3),
+        )
+    # Backward pass: put layers back into INT8 while the budget still holds (least sensitive first).
+    for name in list(reversed(excluded[:-1])) if len(excluded) > 1 else []:
+        trial = [layer for layer in excluded if layer != name]
+        trial_bytes, trial_metric = evaluate(trial)
+        if float_metric - trial_metric <= budget:
+            excluded, model_bytes, metric = trial, trial_bytes, trial_metric
+    return excluded, model_bytes, metric, trace
+
+
+def quantize_model(
+    float_model: bytes,
+    calibration: CalibrationSet,
+    evaluator: Evaluator,
+    config: QuantizeConfig,
+    workdir: Path,
+) -> QuantizeResult:
+    """Calibrate, measure per-layer sensitivity, and find the mixed-precision plan (see module)."""
+    onnx = require("onnx", extra="host", purpose="INT8 quantization")
+    from models.export import node_counts
+
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    quantizer = QdqQuantizer(float_model, calibration, config, workdir)
+    float_outputs = evaluator.outputs(float_model)
+    float_metric = evaluator.score(float_outputs)
+
+    full_int8 = quantizer.quantize()
+    timings["calibration_s"] = quantizer.calibration_seconds
+    full_outputs = evaluator.outputs(full_int8)
+    full_metric = evaluator.score(full_outputs)
+    log.info(
+        "calibrated %d samples (%s) in %.1f s; fully INT8 %s %.2f vs FP32 %.2f",
+        len(calibration),
+        config.method,
+        quantizer.calibration_seconds,
+        evaluator.metric_name,
+        full_metric,
+        float_metric,
+    )
+
+    sensitivity_started = time.perf_counter()
+    sensitivity_evaluator = _subset(evaluator, config.sensitivity_samples)
+    sensitivity = measure_sensitivity(
+        quantizer,
+        sensitivity_evaluator,
+        sensitivity_evaluator.outputs(float_model),
+        progress=lambda index, total, name: log.debug("sensitivity %d/%d: %s", index + 1, total, name),
+    )
+    timings["sensitivity_s"] = time.perf_counter() - sensitivity_started
+
+    search_started = time.perf_counter()
+    fp16_layers, model_bytes, metric, trace = search_mixed_precision(
+        quantizer,
+        evaluator,
+        float_metric,
+        [layer.name for layer in sensitivity],
+        config.accuracy_budget,
+    )
+    timings["search_s"] = time.perf_counter() - search_started
+    timings["total_s"] = time.perf_counter() - started
+    return QuantizeResult(
+        model_bytes=model_bytes,
+        metric_name=evaluator.metric_name,
+        float_metric=float_metric,
+        full_int8_metric=full_metric,
+        int8_metric=metric,
+        int8_layers=quantized_layers(model_bytes),
+        fp16_layers=fp16_layers,
+        sensitivity=sensitivity,
+        search_trace=trace,
+        calibration=calibration.to_manifest(config.method),
+        node_counts=node_counts(onnx.load_from_string(model_bytes)),
+        seconds=timings,
+    )
+
+
+def _subset(evaluator: Evaluator, samples: int) -> Evaluator:
+    inputs = {name: array[:samples] for name, array in evaluator.inputs.items()}
+    labels = evaluator.labels[:samples] if evaluator.labels is not None else None
+    reference = evaluator.reference[:samples] if evaluator.reference is not None else None
+    return Evaluator(inputs, labels, reference, evaluator.batch_size)

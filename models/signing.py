@@ -1,0 +1,310 @@
+"""Ed25519 keys and the detached signature that travels as ``manifest.sig`` (design §5.1).
+
+A bundle is trusted because its ``manifest.json`` is signed and the manifest holds the sha256 of
+every other member. The signature document is small JSON::
+
+    {"algorithm": "ed25519", "key_id": "<16 hex>", "signature": "<base64 of 64 bytes>"}
+
+The key id is the first 16 hex characters of sha256 over the raw 32-byte public key, so a device can
+pick the right trusted key without trying each one, and an operator can match a bundle to a key file
+by eye. The id is a hint for lookup only; trust comes from the signature check itself.
+
+Keys on disk are PEM: the private key as unencrypted PKCS8 (mode 0600), the public key as
+SubjectPublicKeyInfo. Unencrypted because the signer runs in CI, where a passphrase would sit next
+to the key anyway; protect the file instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from agent.errors import KeyFileError, SignatureError
+from agent.fsutil import atomic_write_bytes
+
+SIGNATURE_ALGORITHM = "ed25519"
+KEY_ID_HEX_CHARS = 16
+ED25519_SIGNATURE_BYTES = 64
+PRIVATE_KEY_FILE_MODE = 0o600
+PUBLIC_KEY_FILE_MODE = 0o644
+# A PEM key is a few hundred bytes; anything far larger is not a key file, so do not read it whole.
+MAX_KEY_FILE_BYTES = 64 * 1024
+# Same bound for the signature document, which is about 150 bytes.
+MAX_SIGNATURE_DOCUMENT_BYTES = 64 * 1024
+
+_PEM_LABEL = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----")
+_KEY_ID_PATTERN = re.compile(r"[0-9a-f]{%d}" % KEY_ID_HEX_CHARS)
+
+
+@dataclass(frozen=True)
+class SignatureDocument:
+    """The parsed content of ``manifest.sig``."""
+
+    algorithm: str
+    key_id: str
+    signature: bytes
+
+
+def generate_private_key() -> Ed25519PrivateKey:
+    """Return a new random Ed25519 private key."""
+    return Ed25519PrivateKey.generate()
+
+
+def compute_key_id(public_key: Ed25519PublicKey) -> str:
+    """Return the key id: the first 16 hex characters of sha256 over the raw 32-byte public key."""
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:KEY_ID_HEX_CHARS]
+
+
+def public_key_path(private_key_path: Path) -> Path:
+    """Where the public half of ``private_key_path`` lives: the same name plus ``.pub``."""
+    private_key_path = Path(private_key_path)
+    return private_key_path.with_name(private_key_path.name + ".pub")
+
+
+def write_keypair(private_key_path: Path, *, overwrite: bool = False) -> Ed25519PrivateKey:
+    """Generate a key pair: the private key to ``private_key_path``, the public one beside it.
+
+    Both paths are checked before either is written, so a refusal never leaves a pair half
+    replaced.
+
+    Returns:
+        The new private key.
+
+    Raises:
+        KeyFileError: either file exists and ``overwrite`` is false, or a write fails.
+    """
+    private_key_path = Path(private_key_path)
+    public_path = public_key_path(private_key_path)
+    if not overwrite:
+        for path in (private_key_path, public_path):
+            if path.exists() or path.is_symlink():
+                raise KeyFileError("key file already exists", path=path)
+    private_key = generate_private_key()
+    write_private_key(private_key_path, private_key, overwrite=True)
+    write_public_key(public_path, private_key.public_key(), overwrite=True)
+    return private_key
+
+
+def write_private_key(
+    path: Path, private_key: Ed25519PrivateKey, *, overwrite: bool = False
+) -> None:
+    """Write ``private_key`` to ``path`` as unencrypted PKCS8 PEM with mode 0600.
+
+    The file is written atomically; its temporary is created 0600 too, so the key is never readable
+    by others, not even for an instant.
+
+    Raises:
+        KeyFileError: ``path`` exists and ``overwrite`` is false, or it cannot be written.
+    """
+    data = private_key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    _write_key_file(Path(path), data, mode=PRIVATE_KEY_FILE_MODE, overwrite=overwrite)
+
+
+def write_public_key(path: Path, public_key: Ed25519PublicKey, *, overwrite: bool = False) -> None:
+    """Write ``public_key`` to ``path`` as SubjectPublicKeyInfo PEM with mode 0644.
+
+    Raises:
+        KeyFileError: ``path`` exists and ``overwrite`` is false, or it cannot be written.
+    """
+    data = public_key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    _write_key_file(Path(path), data, mode=PUBLIC_KEY_FILE_MODE, overwrite=overwrite)
+
+
+def load_private_key(path: Path) -> Ed25519PrivateKey:
+    """Load an Ed25519 private key from a PKCS8 PEM file.
+
+    Raises:
+        KeyFileError: the file is missing or unreadable, is not PEM, holds a public key, is
+            encrypted, or holds a key of another algorithm. The error names the file.
+    """
+    path = Path(path)
+    data = _read_key_file(path)
+    label = _pem_label(path, data)
+    if "PUBLIC" in label:
+        raise KeyFileError(
+            "key file holds a public key; a private key is needed here", path=path, found=label
+        )
+    if "ENCRYPTED" in label:
+        raise KeyFileError("encrypted private keys are not supported", path=path, found=label)
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise KeyFileError("cannot parse private key", path=path, reason=str(exc)) from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise KeyFileError(
+            "key is not an Ed25519 private key",
+            path=path,
+            expected="Ed25519PrivateKey",
+            found=type(key).__name__,
+        )
+    return key
+
+
+def load_public_key(path: Path) -> Ed25519PublicKey:
+    """Load an Ed25519 public key from a SubjectPublicKeyInfo PEM file.
+
+    Raises:
+        KeyFileError: the file is missing or unreadable, is not PEM, holds a private key, or holds
+            a key of another algorithm. The error names the file.
+    """
+    path = Path(path)
+    data = _read_key_file(path)
+    label = _pem_label(path, data)
+    if "PRIVATE" in label:
+        # Refuse rather than derive the public half: a private key handed out as a "trusted key"
+        # has most likely been copied somewhere it should not be.
+        raise KeyFileError(
+            "key file holds a private key; a public key is needed here", path=path, found=label
+        )
+    try:
+        key = serialization.load_pem_public_key(data)
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise KeyFileError("cannot parse public key", path=path, reason=str(exc)) from exc
+    if not isinstance(key, Ed25519PublicKey):
+        raise KeyFileError(
+            "key is not an Ed25519 public key",
+            path=path,
+            expected="Ed25519PublicKey",
+            found=type(key).__name__,
+        )
+    return key
+
+
+def sign_manifest(manifest_bytes: bytes, private_key: Ed25519PrivateKey) -> bytes:
+    """Sign the exact bytes of ``manifest.json`` and return the ``manifest.sig`` document bytes."""
+    document = {
+        "algorithm": SIGNATURE_ALGORITHM,
+        "key_id": compute_key_id(private_key.public_key()),
+        "signature": base64.b64encode(private_key.sign(manifest_bytes)).decode("ascii"),
+    }
+    return (json.dumps(document, sort_keys=True, indent=2) + "\n").encode("utf-8")
+
+
+def parse_signature_document(data: bytes) -> SignatureDocument:
+    """Parse ``manifest.sig`` without checking the signature itself.
+
+    Raises:
+        SignatureError: the document is not the JSON object described in the module docstring
+            (message starts with "malformed signature document").
+    """
+    if len(data) > MAX_SIGNATURE_DOCUMENT_BYTES:
+        raise _malformed("it is too large", found=f"{len(data)} bytes")
+    try:
+        document = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _malformed("it is not UTF-8 JSON", reason=str(exc)) from exc
+    if not isinstance(document, dict):
+        raise _malformed("it is not a JSON object", found=type(document).__name__)
+    for field_name in ("algorithm", "key_id", "signature"):
+        if not isinstance(document.get(field_name), str):
+            raise _malformed(f"field '{field_name}' is missing or not a string", field=field_name)
+    algorithm = document["algorithm"]
+    if algorithm != SIGNATURE_ALGORITHM:
+        raise SignatureError(
+            "unsupported signature algorithm", expected=SIGNATURE_ALGORITHM, found=algorithm
+        )
+    key_id = document["key_id"]
+    if not _KEY_ID_PATTERN.fullmatch(key_id):
+        raise _malformed(
+            "field 'key_id' is not 16 lowercase hex characters", field="key_id", found=key_id
+        )
+    try:
+        signature = base64.b64decode(document["signature"], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise _malformed("field 'signature' is not base64", field="signature") from exc
+    if len(signature) != ED25519_SIGNATURE_BYTES:
+        raise _malformed(
+            "field 'signature' has the wrong length",
+            field="signature",
+            expected=f"{ED25519_SIGNATURE_BYTES} bytes",
+            found=f"{len(signature)} bytes",
+        )
+    return SignatureDocument(algorithm=algorithm, key_id=key_id, signature=signature)
+
+
+def verify_manifest(
+    manifest_bytes: bytes, signature_document: bytes, trusted_keys: Iterable[Ed25519PublicKey]
+) -> str:
+    """Check that ``signature_document`` signs ``manifest_bytes`` with one of ``trusted_keys``.
+
+    Args:
+        manifest_bytes: The exact bytes of ``manifest.json``.
+        signature_document: The bytes of ``manifest.sig``.
+        trusted_keys: The public keys this caller trusts.
+
+    Returns:
+        The key id of the trusted key that made the signature.
+
+    Raises:
+        SignatureError: the document is malformed, no trusted key has its key id ("unknown signing
+            key"), or the signature does not match the manifest ("bad signature").
+    """
+    document = parse_signature_document(signature_document)
+    keys_by_id = {compute_key_id(key): key for key in trusted_keys}
+    if not keys_by_id:
+        raise SignatureError("no trusted public keys were given", key_id=document.key_id)
+    public_key = keys_by_id.get(document.key_id)
+    if public_key is None:
+        raise SignatureError(
+            "unknown signing key: the bundle is signed by a key that is not trusted",
+            key_id=document.key_id,
+            trusted=",".join(sorted(keys_by_id)),
+        )
+    try:
+        public_key.verify(document.signature, manifest_bytes)
+    except InvalidSignature as exc:
+        raise SignatureError(
+            "bad signature: manifest.sig does not match manifest.json", key_id=document.key_id
+        ) from exc
+    return document.key_id
+
+
+def _malformed(detail: str, **fields: object) -> SignatureError:
+    return SignatureError(f"malformed signature document: {detail}", **fields)
+
+
+def _read_key_file(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_KEY_FILE_BYTES + 1)
+    except FileNotFoundError as exc:
+        raise KeyFileError("key file not found", path=path) from exc
+    except OSError as exc:
+        raise KeyFileError("cannot read key file", path=path, reason=exc.strerror) from exc
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise KeyFileError("file is too large to be a PEM key", path=path)
+    return data
+
+
+def _pem_label(path: Path, data: bytes) -> str:
+    """Return the label of the first PEM block (``PUBLIC KEY``, ``PRIVATE KEY``, ...)."""
+    match = _PEM_LABEL.search(data)
+    if match is None:
+        raise KeyFileError("key file is not PEM (no '-----BEGIN ...-----' line)", path=path)
+    return match.group(1).decode("ascii")
+
+
+def _write_key_file(path: Path, data: bytes, *, mode: int, overwrite: bool) -> None:
+    if not overwrite and path.exists():
+        raise KeyFileError("key file already exists", path=path)
+    try:
+        atomic_write_bytes(path, data, mode=mode)
+    except OSError as exc:
+        raise KeyFileError("cannot write key file", path=path, reason=exc.strerror) from exc

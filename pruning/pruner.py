@@ -1,0 +1,217 @@
+"""What prune_model and sensitivity_scan share: importance criteria, ignored layers, widths.
+
+torch-pruning (1.6) rounds a pruned layer's width *down* to a multiple of ``round_to``. When fewer
+than ``round_to`` channels would remain, that rounds to zero, and the library then silently skips
+the layer (its group check refuses to remove every channel). With ``round_to=32`` and a ratio of 0.6
+a 64-wide layer is therefore not pruned at all, while a 128-wide one loses 75 %.
+:class:`AlignedPruner` replaces that rounding with :func:`aligned_width`: the multiple of
+``round_to`` nearest to the requested width, never below ``round_to`` or the ``max_layer_ratio``
+floor.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch_pruning as tp
+from torch import Tensor, nn
+
+from agent.errors import ConfigError, PruningError
+
+log = logging.getLogger(__name__)
+
+LossBatches = Callable[[], Iterable[tuple[Tensor, Tensor]]]
+LossFunction = Callable[[Tensor, Tensor], Tensor]
+
+# The layer types whose output channels start a pruning group. Normalisation layers follow the
+# convolution they belong to; they are never pruned on their own.
+ROOT_MODULE_TYPES = (nn.modules.conv._ConvNd, nn.Linear)
+
+
+def make_importance(name: str) -> tp.importance.Importance:
+    """The torch-pruning importance criterion for ``name`` (``l1``, ``l2`` or ``taylor``)."""
+    if name == "l1":
+        return tp.importance.MagnitudeImportance(p=1)
+    if name == "l2":
+        return tp.importance.MagnitudeImportance(p=2)
+    if name == "taylor":
+        return tp.importance.TaylorImportance()
+    raise ConfigError("importance must be one of l1, l2, taylor", key="importance", found=name)
+
+
+def aligned_width(current: int, requested: int, *, round_to: int, min_keep: int = 1) -> int:
+    """The number of channels a layer of ``current`` channels keeps when ``requested`` are asked.
+
+    The result is ``current`` itself (no pruning) or a multiple of ``round_to`` of at least
+    ``max(round_to, min_keep)``, whichever is nearest to ``requested``; a tie keeps more channels.
+    A layer no wider than ``round_to`` is never pruned.
+    """
+    if current <= round_to:
+        return current
+    candidates = [width for width in range(round_to, current, round_to) if width >= min_keep]
+    candidates.append(current)
+    return min(candidates, key=lambda width: (abs(width - requested), -width))
+
+
+class AlignedPruner(tp.pruner.BasePruner):
+    """torch-pruning's BasePruner with widths chosen by :func:`aligned_width`.
+
+    Args:
+        model: The model to prune in place.
+        example_input: An input batch used to trace the model.
+        importance: A torch-pruning importance criterion.
+        max_layer_ratio: Largest fraction of a layer's channels that one step may remove.
+        **options: Passed to ``BasePruner`` (``pruning_ratio``, ``global_pruning``,
+            ``iterative_steps``, ``ignored_layers``, ``round_to``, ``pruning_ratio_dict``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_input: Tensor,
+        importance: tp.importance.Importance,
+        *,
+        max_layer_ratio: float,
+        **options: Any,
+    ) -> None:
+        self._max_layer_ratio = max_layer_ratio
+        was_training = model.training
+        # Tracing the graph runs a forward pass and torch-pruning switches the model to eval mode
+        # for it without switching back; restore the caller's mode.
+        try:
+            super().__init__(
+                model,
+                example_input,
+                importance,
+                max_pruning_ratio=max_layer_ratio,
+                **options,
+            )
+        finally:
+            model.train(was_training)
+
+    def _round_to(self, n_pruned: int, current_channels: int, round_to: int) -> int:
+        # Overrides torch-pruning's private rounding hook (torch-pruning 1.6.1; the host extra pins
+        # <1.7). BasePruner calls it, whenever round_to is set, with the number of channels the
+        # criterion chose to remove from one layer group. tests/test_pruning.py fails if a new
+        # release stops calling it (64-wide ResNet-18 layers would stay unpruned at ratio 0.6).
+        min_keep = max(1, math.ceil(current_channels * (1.0 - self._max_layer_ratio)))
+        keep = aligned_width(
+            current_channels,
+            current_channels - n_pruned,
+            round_to=max(1, round_to),
+            min_keep=min_keep,
+        )
+        return current_channels - keep
+
+
+def output_channel_counts(model: nn.Module, example_input: Tensor) -> set[int]:
+    """The size of axis 1 of every tensor the model returns (classes, or channels of a map)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = model(example_input)
+    finally:
+        model.train(was_training)
+    return {int(tensor.shape[1]) for tensor in _flatten_tensors(outputs) if tensor.dim() >= 2}
+
+
+def output_shapes(model: nn.Module, example_input: Tensor) -> list[tuple[int, ...]]:
+    """Shapes of the tensors the model returns for ``example_input`` (in eval mode)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = model(example_input)
+    finally:
+        model.train(was_training)
+    return [tuple(tensor.shape) for tensor in _flatten_tensors(outputs)]
+
+
+def _flatten_tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _flatten_tensors(item)]
+    return []
+
+
+def layers_to_ignore(
+    model: nn.Module, example_input: Tensor, ignored_layer_names: Sequence[str]
+) -> list[nn.Module]:
+    """The modules whose output channels must be kept.
+
+    Those are the classifier (every ``nn.Linear`` whose ``out_features`` equals the size of one
+    of the model's outputs; a hidden layer of the same width is kept too, which only costs a
+    little pruning) and the modules named in ``ignored_layer_names``.
+
+    Raises:
+        ConfigError: A name in ``ignored_layer_names`` is not a module of ``model``.
+    """
+    modules = dict(model.named_modules())
+    unknown = [name for name in ignored_layer_names if name not in modules]
+    if unknown:
+        raise ConfigError(
+            "ignored_layer_names lists modules the model does not have",
+            key="ignored_layer_names",
+            found=", ".join(unknown),
+        )
+    output_counts = output_channel_counts(model, example_input)
+    ignored: list[nn.Module] = [
+        module
+        for module in model.modules()
+        if isinstance(module, nn.Linear) and module.out_features in output_counts
+    ]
+    ignored += [modules[name] for name in ignored_layer_names]
+    return ignored
+
+
+def copy_with_gradients(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters also carry copies of the original's ``.grad``.
+
+    ``copy.deepcopy`` drops gradients (torch 2.13), and Taylor importance needs them on every copy
+    that is pruned; copying them is cheaper than a new backward pass per copy.
+    """
+    duplicate = copy.deepcopy(model)
+    for original, copied in zip(model.parameters(), duplicate.parameters()):
+        if original.grad is not None:
+            copied.grad = original.grad.detach().clone()
+    return duplicate
+
+
+def accumulate_gradients(
+    model: nn.Module, loss_batches: LossBatches, loss_function: LossFunction
+) -> int:
+    """Fill ``.grad`` of every parameter with the loss gradient summed over ``loss_batches()``.
+
+    Taylor importance ranks a channel by weight x gradient, so it needs these gradients before
+    every pruning step.
+
+    Returns:
+        The number of batches used.
+
+    Raises:
+        PruningError: ``loss_batches()`` yields nothing.
+    """
+    was_training = model.training
+    # Eval mode: measuring gradients must not move BatchNorm's running statistics.
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    batches = 0
+    try:
+        with torch.enable_grad():
+            for images, labels in loss_batches():
+                loss_function(model(images), labels).backward()
+                batches += 1
+    finally:
+        model.train(was_training)
+    if batches == 0:
+        raise PruningError("taylor importance needs at least one batch; loss_batches gave none")
+    return batches

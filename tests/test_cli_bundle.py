@@ -1,0 +1,407 @@
+"""`edge-agent bundle` keygen / sign / verify / inspect, through the real command-line entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.cli import main
+from models.signing import compute_key_id, load_private_key, load_public_key
+
+MODEL_BYTES = b"onnx" * 2048
+ENGINE_BYTES = b"plan" * 100
+FINGERPRINT = "orin-nx-jp6-trt10.3"
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    status = main(["bundle", *(str(arg) for arg in argv)])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def assert_one_line_error(status: int, err: str, *needles: str) -> None:
+    assert status == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("edge-agent: error: ")
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def write_build_dir(directory: Path, **manifest_overrides: Any) -> Path:
+    (directory / "engines").mkdir(parents=True)
+    (directory / "model.onnx").write_bytes(MODEL_BYTES)
+    (directory / "engines" / f"{FINGERPRINT}.plan").write_bytes(ENGINE_BYTES)
+    manifest = {
+        "name": "digits-cnn",
+        "version": 7,
+        "created_at": "2024-06-01T08:30:00Z",
+        "inputs": [{"name": "images", "dtype": "float32", "shape": [-1, 1, 8, 8], "layout": "NCHW"}],
+        "outputs": [{"name": "logits", "dtype": "float32", "shape": [-1, 10]}],
+        "preprocessing": {"mean": [0.5], "std": [0.25]},
+        "precision": {"int8_layers": ["conv1", "conv2", "conv3"], "fp16_layers": ["head.fc"], "fp32_layers": []},
+        "max_batch": 32,
+        "opt_batch": 8,
+        "calibration": {"method": "percentile-99.99", "samples": 256, "data_sha256": "cd" * 32},
+        "accuracy": {"top1_fp32": 0.97, "top1_int8": 0.965},
+        "engines": {FINGERPRINT: f"engines/{FINGERPRINT}.plan"},
+        "min_agent_version": "0.1.0",
+        **manifest_overrides,
+    }
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    return directory
+
+
+@pytest.fixture()
+def keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, Path]:
+    private_path = tmp_path / "keys" / "release.pem"
+    status, _, _ = run_cli(capsys, "keygen", "--out", private_path)
+    assert status == 0
+    return private_path, tmp_path / "keys" / "release.pem.pub"
+
+
+@pytest.fixture()
+def bundle(tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> Path:
+    out = tmp_path / "digits-v7.bundle"
+    status, _, _ = run_cli(capsys, "sign", write_build_dir(tmp_path / "build"), "--key", keys[0], "--out", out)
+    assert status == 0
+    return out
+
+
+def key_id_of(public_path: Path) -> str:
+    return compute_key_id(load_public_key(public_path))
+
+
+# --------------------------------------------------------------------------------------------------
+# keygen
+
+
+def test_keygen_writes_a_pair_and_prints_its_id(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    private_path = tmp_path / "release.pem"
+    status, out, err = run_cli(capsys, "keygen", "--out", private_path)
+    assert status == 0 and err == ""
+    public_path = tmp_path / "release.pem.pub"
+    assert stat.S_IMODE(private_path.stat().st_mode) == 0o600
+    key_id = key_id_of(public_path)
+    assert f"key id: {key_id}" in out.splitlines()
+    assert compute_key_id(load_private_key(private_path).public_key()) == key_id
+
+
+def test_keygen_refuses_to_overwrite_without_force(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    private_path, public_path = keys
+    before = (private_path.read_bytes(), public_path.read_bytes())
+    status, out, err = run_cli(capsys, "keygen", "--out", private_path)
+    assert_one_line_error(status, err, "already exists", "--force", str(private_path))
+    assert out == ""
+    assert (private_path.read_bytes(), public_path.read_bytes()) == before
+
+    status, out, _ = run_cli(capsys, "keygen", "--out", private_path, "--force")
+    assert status == 0
+    assert private_path.read_bytes() != before[0]
+    assert f"key id: {key_id_of(public_path)}" in out
+
+
+def test_keygen_refuses_when_only_the_public_half_exists(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    private_path = tmp_path / "release.pem"
+    public_path = tmp_path / "release.pem.pub"
+    public_path.write_text("someone else's key\n")
+    status, _, err = run_cli(capsys, "keygen", "--out", private_path)
+    assert_one_line_error(status, err, "already exists", str(public_path))
+    assert not private_path.exists()
+    assert public_path.read_text() == "someone else's key\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# sign and verify
+
+
+def test_sign_a_build_directory_then_verify(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    private_path, public_path = keys
+    out = tmp_path / "digits-v7.bundle"
+    status, stdout, _ = run_cli(
+        capsys, "sign", write_build_dir(tmp_path / "build"), "--key", private_path, "--out", out
+    )
+    assert status == 0
+    key_id = key_id_of(public_path)
+    assert f"digits-cnn version 7 signed by key {key_id}" in stdout
+    with tarfile.open(out) as tar:
+        assert sorted(tar.getnames()) == sorted(
+            ["manifest.json", "manifest.sig", "model.onnx", f"engines/{FINGERPRINT}.plan"]
+        )
+
+    status, stdout, err = run_cli(capsys, "verify", out, "--pubkey", public_path)
+    assert status == 0 and err == ""
+    assert stdout == f"OK digits-cnn version 7 signed by key {key_id}\n"
+
+
+def test_verify_accepts_any_of_several_keys(
+    tmp_path: Path, bundle: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_cli(capsys, "keygen", "--out", tmp_path / "other.pem")
+    status, stdout, _ = run_cli(
+        capsys, "verify", bundle, "--pubkey", tmp_path / "other.pem.pub", "--pubkey", keys[1]
+    )
+    assert status == 0
+    assert stdout.startswith("OK digits-cnn version 7 ")
+
+
+def test_sign_ignores_an_old_signature_in_an_extracted_directory(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    build = write_build_dir(tmp_path / "build")
+    (build / "manifest.sig").write_text("{}")
+    status, _, err = run_cli(capsys, "sign", build, "--key", keys[0], "--out", tmp_path / "b.bundle")
+    assert status == 0, err
+    status, _, _ = run_cli(capsys, "verify", tmp_path / "b.bundle", "--pubkey", keys[1])
+    assert status == 0
+
+
+def test_sign_refuses_a_file_that_is_no_bundle_member(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    build = write_build_dir(tmp_path / "build")
+    (build / "notes.txt").write_text("todo")
+    out = tmp_path / "b.bundle"
+    status, _, err = run_cli(capsys, "sign", build, "--key", keys[0], "--out", out)
+    assert_one_line_error(status, err, "notes.txt")
+    assert not out.exists()
+
+
+def test_sign_refuses_a_linked_directory_rather_than_skipping_it(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    build = write_build_dir(tmp_path / "build")
+    real_engines = tmp_path / "engines-store"
+    (build / "engines").rename(real_engines)
+    (build / "engines").symlink_to(real_engines)
+    status, _, err = run_cli(capsys, "sign", build, "--key", keys[0], "--out", tmp_path / "b.bundle")
+    assert_one_line_error(status, err, "symbolic link to a directory", str(build / "engines"))
+
+
+def test_sign_refuses_an_invalid_manifest_naming_the_field(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    build = write_build_dir(tmp_path / "build", opt_batch=64)
+    status, _, err = run_cli(capsys, "sign", build, "--key", keys[0], "--out", tmp_path / "b.bundle")
+    assert_one_line_error(status, err, "opt_batch", "max_batch (32)")
+
+
+def test_sign_refuses_a_directory_without_manifest(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    build = write_build_dir(tmp_path / "build")
+    (build / "manifest.json").unlink()
+    status, _, err = run_cli(capsys, "sign", build, "--key", keys[0], "--out", tmp_path / "b.bundle")
+    assert_one_line_error(status, err, "manifest", str(build / "manifest.json"))
+
+
+def test_sign_with_a_public_key_is_refused(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, err = run_cli(
+        capsys, "sign", write_build_dir(tmp_path / "build"), "--key", keys[1], "--out", tmp_path / "b.bundle"
+    )
+    assert_one_line_error(status, err, "public key", str(keys[1]))
+    assert not (tmp_path / "b.bundle").exists()
+
+
+def test_resign_an_existing_bundle_with_a_new_key(
+    tmp_path: Path, bundle: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_cli(capsys, "keygen", "--out", tmp_path / "new.pem")
+    out = tmp_path / "resigned.bundle"
+    status, stdout, _ = run_cli(capsys, "sign", bundle, "--key", tmp_path / "new.pem", "--out", out)
+    assert status == 0
+    new_id = key_id_of(tmp_path / "new.pem.pub")
+    assert f"signed by key {new_id}" in stdout
+
+    status, stdout, _ = run_cli(capsys, "verify", out, "--pubkey", tmp_path / "new.pem.pub")
+    assert status == 0 and stdout == f"OK digits-cnn version 7 signed by key {new_id}\n"
+    status, _, err = run_cli(capsys, "verify", out, "--pubkey", keys[1])
+    assert_one_line_error(status, err, "unknown signing key", new_id)
+
+
+def test_resign_refuses_a_bundle_whose_member_was_changed(
+    tmp_path: Path, bundle: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _flip_member_byte(bundle, "model.onnx")
+    out = tmp_path / "resigned.bundle"
+    status, _, err = run_cli(capsys, "sign", bundle, "--key", keys[0], "--out", out)
+    assert_one_line_error(status, err, "does not match the manifest", "model.onnx")
+    assert not out.exists()
+
+
+def _flip_member_byte(bundle: Path, member: str) -> None:
+    with tarfile.open(bundle) as tar:
+        offset = tar.getmember(member).offset_data
+    with open(bundle, "r+b") as handle:
+        handle.seek(offset)
+        value = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([value ^ 0xFF]))
+
+
+@pytest.mark.parametrize(
+    ("damage", "needles"),
+    [
+        ("artifact", ("hash does not match", "model.onnx")),
+        ("manifest", ("bad signature",)),
+        ("not a tar", ("not a bundle",)),
+        ("truncated", ("truncated",)),
+    ],
+)
+def test_verify_failures_exit_1_with_one_line(
+    bundle: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str], damage: str, needles: tuple[str, ...]
+) -> None:
+    if damage == "artifact":
+        _flip_member_byte(bundle, "model.onnx")
+    elif damage == "manifest":
+        _flip_member_byte(bundle, "manifest.json")
+    elif damage == "not a tar":
+        bundle.write_bytes(b"<html>404 not found</html>\n")
+    else:
+        with open(bundle, "r+b") as handle:
+            handle.truncate(bundle.stat().st_size // 2)
+    status, out, err = run_cli(capsys, "verify", bundle, "--pubkey", keys[1])
+    assert out == ""
+    assert_one_line_error(status, err, *needles, str(bundle))
+
+
+def test_verify_with_a_missing_key_file(
+    tmp_path: Path, bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _, err = run_cli(capsys, "verify", bundle, "--pubkey", tmp_path / "absent.pub")
+    assert_one_line_error(status, err, "key file not found", "absent.pub")
+
+
+def test_verify_refuses_a_bundle_for_a_newer_agent(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    build = write_build_dir(tmp_path / "build", min_agent_version="42.0.0")
+    out = tmp_path / "b.bundle"
+    assert run_cli(capsys, "sign", build, "--key", keys[0], "--out", out)[0] == 0
+    status, _, err = run_cli(capsys, "verify", out, "--pubkey", keys[1])
+    assert_one_line_error(status, err, "newer agent", "42.0.0")
+
+
+def test_verify_needs_a_pubkey(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        main(["bundle", "verify", str(bundle)])
+    assert excinfo.value.code == 2
+    assert "--pubkey" in capsys.readouterr().err
+
+
+def test_the_installed_command_exits_nonzero(tmp_path: Path, bundle: Path, keys: tuple[Path, Path]) -> None:
+    _flip_member_byte(bundle, "model.onnx")
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "bundle", "verify", str(bundle), "--pubkey", str(keys[1])],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("edge-agent: error: artifact hash does not match")
+
+
+# --------------------------------------------------------------------------------------------------
+# inspect
+
+
+def test_inspect_summary(bundle: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(capsys, "inspect", bundle)
+    assert status == 0
+    lines = out.splitlines()
+    key_id = key_id_of(keys[1])
+    for expected in (
+        "name: digits-cnn",
+        "version: 7",
+        "created: 2024-06-01T08:30:00Z",
+        "input: images float32 [-1, 1, 8, 8] NCHW",
+        "output: logits float32 [-1, 10]",
+        "precision: 3 int8, 1 fp16, 0 fp32 layers",
+        "  fp16 fallback: head.fc",
+        "batch: opt 8, max 32",
+        "calibration: percentile-99.99, 256 samples, data sha256 cdcdcdcdcdcdcdcd...",
+        "accuracy: top1_fp32=0.97, top1_int8=0.965",
+        f"  {FINGERPRINT} -> engines/{FINGERPRINT}.plan",
+        f"signing key: {key_id}",
+        "signature: not checked",
+    ):
+        assert expected in lines, expected
+    assert any(line.startswith("  model.onnx  8.0 KiB (8192 bytes)") for line in lines)
+    assert any(line.startswith(f"  engines/{FINGERPRINT}.plan  400 bytes") for line in lines)
+
+
+def test_inspect_with_a_key_verifies(
+    bundle: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = run_cli(capsys, "inspect", bundle, "--pubkey", keys[1])
+    assert status == 0
+    assert "signature: verified" in out.splitlines()
+
+
+def test_inspect_shows_a_failed_verification_and_exits_1(
+    tmp_path: Path, bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_cli(capsys, "keygen", "--out", tmp_path / "other.pem")
+    status, out, _ = run_cli(capsys, "inspect", bundle, "--pubkey", tmp_path / "other.pem.pub")
+    assert status == 1
+    assert "name: digits-cnn" in out  # the summary is still shown
+    failure = [line for line in out.splitlines() if line.startswith("signature: ")]
+    assert len(failure) == 1 and failure[0].startswith("signature: FAILED: unknown signing key")
+
+
+def test_inspect_json(bundle: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(capsys, "inspect", bundle, "--json", "--pubkey", keys[1])
+    assert status == 0
+    document = json.loads(out)
+    assert document["manifest"]["name"] == "digits-cnn"
+    assert document["manifest"]["artifacts"]["model.onnx"]["size"] == len(MODEL_BYTES)
+    assert document["signature"]["status"] == "verified"
+    assert document["signature"]["key_id"] == key_id_of(keys[1])
+
+    status, out, _ = run_cli(capsys, "inspect", bundle, "--json")
+    assert json.loads(out)["signature"]["status"] == "not checked"
+
+
+def test_inspect_an_unsigned_bundle(
+    tmp_path: Path, bundle: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    unsigned = tmp_path / "unsigned.bundle"
+    with tarfile.open(bundle) as source, tarfile.open(unsigned, "w") as target:
+        for info in source.getmembers():
+            if info.name != "manifest.sig":
+                target.addfile(info, source.extractfile(info))
+    status, out, _ = run_cli(capsys, "inspect", unsigned)
+    assert status == 0
+    assert "signature: missing (unsigned bundle)" in out.splitlines()
+    status, out, _ = run_cli(capsys, "inspect", unsigned, "--pubkey", keys[1])
+    assert status == 1
+    assert "signature: FAILED: unsigned bundle" in out
+
+
+def test_inspect_refuses_an_unsafe_tar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    evil = tmp_path / "evil.bundle"
+    with tarfile.open(evil, "w") as tar:
+        info = tarfile.TarInfo("model.onnx")
+        info.type = tarfile.SYMTYPE
+        info.linkname = "/etc/shadow"
+        tar.addfile(info)
+    status, out, err = run_cli(capsys, "inspect", evil)
+    assert out == ""
+    assert_one_line_error(status, err, "symbolic link", "model.onnx")

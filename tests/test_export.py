@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+
+from torch import nn  # noqa: E402
+
+from agent.errors import ModelError  # noqa: E402
+from models.export import compare_with_torch, export_onnx  # noqa: E402
+from models.ort import create_session  # noqa: E402
+from models.zoo.resnet import ResNet18  # noqa: E402
+from models.zoo.small_cnn import SmallCNN  # noqa: E402
+
+
+class FixedSizeNet(nn.Module):
+    """Flattens into a linear layer, so it only runs at one input size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.relu(self.bn(self.conv(x))), 1))
+
+
+def _randomise_bn(model: nn.Module) -> nn.Module:
+    """Non-trivial BatchNorm statistics, so folding them is really tested."""
+    generator = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.copy_(torch.randn(module.num_features, generator=generator))
+            module.running_var.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
+            module.weight.data.copy_(torch.randn(module.num_features, generator=generator))
+            module.bias.data.copy_(torch.randn(module.num_features, generator=generator))
+    return model.eval()
+
+
+def _dims(value_info) -> list:
+    return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+
+def test_export_folds_batchnorm_and_keeps_batch_and_spatial_axes_dynamic():
+    model = _randomise_bn(SmallCNN())
+    result = export_onnx(model, torch.randn(2, 3, 16, 16))
+    assert result.node_counts_before["BatchNormalization"] == 4
+    assert "BatchNormalization" not in result.node_counts_after
+    assert "Identity" not in result.node_counts_after
+    assert result.node_counts_after["Conv"] == 4
+    graph = onnx.load_from_string(result.model_bytes)
+    assert graph.opset_import[0].version >= 17
+    assert _dims(graph.graph.input[0]) == ["batch", 3, "height", "width"]
+    assert result.dynamic_spatial
+    # The same graph answers at other batch sizes and resolutions, like PyTorch does.
+    session = create_session(result.model_bytes)
+    for shape in [(1, 3, 16, 16), (5, 3, 40, 24), (2, 3, 224, 224)]:
+        x = torch.randn(shape)
+        expected = model(x).detach().numpy()
+        np.testing.assert_allclose(session.run(None, {"input": x.numpy()})[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_resnet18_export_matches_torch_at_224():
+    model = _randomise_bn(ResNet18(num_classes=10))
+    result = export_onnx(model, torch.randn(1, 3, 32, 32))
+    assert result.node_counts_after["Conv"] == 20
+    assert result.node_counts_before["BatchNormalization"] == 20
+    assert any(check["input_shape"] == [2, 3, 224, 224] for check in result.checks)
+    assert result.max_abs_error < 1e-3
+
+
+def test_fixed_size_model_exports_static_spatial_axes():
+    model = _randomise_bn(FixedSizeNet())
+    result = export_onnx(model, torch.randn(1, 3, 16, 16))
+    assert not result.dynamic_spatial
+    graph = onnx.load_from_string(result.model_bytes)
+    assert _dims(graph.graph.input[0]) == ["batch", 3, 16, 16]
+
+
+def test_opset_below_17_is_rejected():
+    with pytest.raises(ModelError, match="opset"):
+        export_onnx(SmallCNN().eval(), torch.randn(1, 3, 16, 16), opset=13)
+
+
+def test_comparison_catches_a_graph_that_disagrees_with_torch():
+    model = _randomise_bn(SmallCNN())
+    other = _randomise_bn(SmallCNN())
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(0.5)
+    wrong_bytes = export_onnx(other, torch.randn(1, 3, 16, 16)).model_bytes
+    with pytest.raises(ModelError, match="beyond tolerance"):
+        compare_with_torch(model, wrong_bytes, "input", [np.random.rand(2, 3, 16, 16).astype(np.float32)],
+                           1e-3, 1e-3)

@@ -1,0 +1,167 @@
+"""End-to-end builds with the small example model, and the bad inputs the build must refuse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+
+from agent.cli import main  # noqa: E402
+from models.bundle import open_bundle  # noqa: E402
+from models.data import load_digits_splits  # noqa: E402
+from models.signing import load_public_key, write_keypair  # noqa: E402
+from tests.helpers import write_samples  # noqa: E402
+
+MODEL = "smallcnn-digits"
+FAST = ["--calib-samples", "128", "--threads", "2"]
+
+
+def _outputs(directory: Path) -> set[str]:
+    return {path.name for path in directory.iterdir()} if directory.exists() else set()
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "signing.key"
+    write_keypair(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def digits_onnx(tmp_path_factory):
+    """A float ONNX digits classifier plus a calibration directory of real samples."""
+    from models.checkpoints import load_example
+    from models.export import export_onnx
+
+    root = tmp_path_factory.mktemp("onnx")
+    train_split, _ = load_digits_splits(16)
+    model = load_example(MODEL)
+    exported = export_onnx(model, torch.from_numpy(train_split.images[:2]))
+    path = root / "digits.onnx"
+    path.write_bytes(exported.model_bytes)
+    write_samples(root / "calib", train_split.images[:96])
+    return path, root / "calib"
+
+
+def test_build_example_makes_a_verified_bundle_and_report(tmp_path, keys, capsys):
+    out = tmp_path / "out"
+    status = main(["build", "--model", MODEL, "--key", str(keys), "--out", str(out), *FAST,
+                   "--prune", "0.5", "--round-to", "8", "--finetune-epochs", "2"])
+    assert status == 0
+    summary = capsys.readouterr().out
+    assert "smallcnn-digits-1.bundle" in summary and "INT8, mixed" in summary
+    assert _outputs(out) == {"smallcnn-digits-1.bundle", "report.json"}
+
+    bundle = open_bundle(out / "smallcnn-digits-1.bundle", [load_public_key(Path(f"{keys}.pub"))])
+    manifest = bundle.manifest
+    assert manifest["name"] == MODEL and manifest["version"] == 1
+    assert manifest["inputs"][0]["shape"] == [-1, 3, -1, -1]
+    assert manifest["calibration"]["samples"] == 128
+    assert manifest["precision"]["int8_layers"]
+    assert manifest["accuracy"]["drop"] <= manifest["accuracy"]["budget"]
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["accuracy"]["metric"] == "top1"
+    for key in ("fp32_unpruned", "pruned_fp32", "int8_all_layers", "int8"):
+        assert 0.0 <= report["accuracy"][key] <= 100.0
+    assert report["model"]["pruned_params"] < report["model"]["params"]
+    assert report["export"]["node_counts_before"]["BatchNormalization"] == 4
+    assert "BatchNormalization" not in report["export"]["node_counts_after"]
+    assert report["pruning"]["layers"]
+    assert report["speed"]["int8_img_s"] > 0
+    assert json.loads(bundle.read_member("report.json")) == report
+
+    # The model in the bundle really is the INT8 model: it runs and classifies the held-out digits.
+    extracted = bundle.extract(tmp_path / "installed")
+    from models.quantize import Evaluator
+
+    _, held_out = load_digits_splits(16)
+    accuracy = Evaluator({"input": held_out.images}, held_out.labels)((extracted / "model.onnx").read_bytes())
+    assert accuracy == pytest.approx(report["accuracy"]["int8"], abs=1e-3)
+
+    # A second build gets the next version.
+    assert main(["build", "--model", MODEL, "--key", str(keys), "--out", str(out), *FAST]) == 0
+    assert "smallcnn-digits-2.bundle" in _outputs(out)
+
+
+def test_build_from_onnx_uses_agreement_without_labels(tmp_path, keys, digits_onnx):
+    model_path, calib = digits_onnx
+    out = tmp_path / "out"
+    assert main(["build", "--onnx", str(model_path), "--calib-dir", str(calib), "--key", str(keys),
+                 "--out", str(out), "--calib-samples", "96", "--json"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["accuracy"]["metric"] == "agreement"
+    assert report["accuracy"]["fp32"] == 100.0
+    assert report["name"] == "digits"
+    assert report["quantization"]["calibration"]["samples"] == 96
+
+
+def test_build_without_a_key_generates_one_beside_the_bundle(tmp_path):
+    out = tmp_path / "out"
+    assert main(["build", "--model", MODEL, "--out", str(out), *FAST]) == 0
+    assert {"signing.key", "signing.key.pub"} <= _outputs(out)
+    open_bundle(out / f"{MODEL}-1.bundle", [load_public_key(out / "signing.key.pub")])
+
+
+def _fails(args: list[str], capsys) -> str:
+    status = main(args)
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert status != 0
+    errors = [line for line in err_lines if "error" in line.lower()]
+    assert errors == [err_lines[-1]] and err_lines[-1].startswith("edge-agent: error:")
+    return err_lines[-1]
+
+
+def test_corrupt_and_truncated_onnx_are_refused_cleanly(tmp_path, keys, digits_onnx, capsys):
+    model_path, calib = digits_onnx
+    data = model_path.read_bytes()
+    for name, content in (("garbage.onnx", b"this is not a model"), ("cut.onnx", data[: len(data) // 3])):
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        out = tmp_path / f"out-{name}"
+        err = _fails(["build", "--onnx", str(bad), "--calib-dir", str(calib), "--key", str(keys),
+                      "--out", str(out)], capsys)
+        assert name in err
+        assert _outputs(out) == set()  # nothing half-written, no staging directory left
+
+
+def test_empty_calibration_set_is_refused(tmp_path, keys, digits_onnx, capsys):
+    model_path, _ = digits_onnx
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "out"
+    err = _fails(["build", "--onnx", str(model_path), "--calib-dir", str(empty), "--key", str(keys),
+                  "--out", str(out)], capsys)
+    assert "calibration set is empty" in err
+    assert _outputs(out) == set()
+
+
+def test_mismatched_input_names_are_refused(tmp_path, keys, digits_onnx, capsys):
+    model_path, _ = digits_onnx
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for index in range(4):
+        np.savez(calib / f"s{index}.npz", image=np.zeros((3, 16, 16), np.float32))
+    err = _fails(["build", "--onnx", str(model_path), "--calib-dir", str(calib), "--key", str(keys),
+                  "--out", str(tmp_path / "out")], capsys)
+    assert "input names" in err and "image" in err
+
+
+@pytest.mark.parametrize("ratio", ["1.5", "-0.1", "1.0"])
+def test_prune_ratio_out_of_range_is_refused(tmp_path, keys, ratio, capsys):
+    out = tmp_path / "out"
+    err = _fails(["build", "--model", MODEL, "--prune", ratio, "--key", str(keys), "--out", str(out)], capsys)
+    assert "ratio" in err and ratio in err
+    assert _outputs(out) == set()
+
+
+def test_wrong_kind_of_key_is_refused(tmp_path, keys, capsys):
+    out = tmp_path / "out"
+    err = _fails(["build", "--model", MODEL, "--key", f"{keys}.pub", "--out", str(out)], capsys)
+    assert "signing.key.pub" in err
+    assert _outputs(out) == set()

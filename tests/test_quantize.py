@@ -1,0 +1,155 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+
+from onnx import numpy_helper  # noqa: E402
+
+from agent.errors import ConfigError  # noqa: E402
+from models.calibration import from_array  # noqa: E402
+from models.data import load_digits_splits  # noqa: E402
+from models.export import export_onnx  # noqa: E402
+from models.quantize import (  # noqa: E402
+    Evaluator,
+    QdqQuantizer,
+    QuantizeConfig,
+    quantize_model,
+    quantized_layers,
+    search_mixed_precision,
+)
+from models.train import TrainConfig, train  # noqa: E402
+from models.zoo.small_cnn import SmallCNN  # noqa: E402
+
+SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits_splits(SIZE)
+
+
+@pytest.fixture(scope="module")
+def trained_onnx(digits):
+    torch.manual_seed(0)
+    model = train(SmallCNN(), digits[0], TrainConfig(epochs=4), progress=False)
+    return export_onnx(model, torch.from_numpy(digits[0].images[:2])).model_bytes
+
+
+def _qdq_facts(model_bytes: bytes):
+    model = onnx.load_from_string(model_bytes)
+    initializers = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    producers = {out: node for node in model.graph.node for out in node.output}
+    return model, initializers, producers
+
+
+def test_int8_model_has_the_format_tensorrt_needs(digits, trained_onnx, tmp_path):
+    train_split, held_out = digits
+    calibration = from_array(train_split.images, "input", 256)
+    quantizer = QdqQuantizer(trained_onnx, calibration, QuantizeConfig(method="minmax", progress=False),
+                             tmp_path)
+    model, initializers, producers = _qdq_facts(quantizer.quantize())
+    q_nodes = [n for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    assert q_nodes
+    for node in q_nodes:
+        zero_point = initializers[node.input[2]]
+        assert zero_point.dtype == np.int8 and not zero_point.any()
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    assert len(convs) == 4
+    for conv in convs:
+        weight_dq = producers[conv.input[1]]
+        assert weight_dq.op_type == "DequantizeLinear"
+        weight_q = producers[weight_dq.input[0]]
+        assert weight_q.op_type == "QuantizeLinear"
+        weight = initializers[weight_q.input[0]]
+        assert weight.dtype == np.float32  # float weights behind Q/DQ (TensorRT 8.5 parser)
+        scales = initializers[weight_q.input[1]]
+        assert scales.shape == (weight.shape[0],)  # per output channel
+        if len(conv.input) > 2:
+            assert conv.input[2] in initializers  # float bias, no INT32 DequantizeLinear
+            assert initializers[conv.input[2]].dtype == np.float32
+        activation_dq = producers[conv.input[0]]
+        assert activation_dq.op_type == "DequantizeLinear"
+        assert initializers[activation_dq.input[1]].shape == ()  # per-tensor activations
+
+
+def test_calibration_methods_give_different_ranges(digits, trained_onnx, tmp_path):
+    calibration = from_array(digits[0].images, "input", 256)
+    scales = {}
+    for method in ("minmax", "entropy", "percentile"):
+        quantizer = QdqQuantizer(trained_onnx, calibration, QuantizeConfig(method=method, progress=False),
+                                 tmp_path / method)
+        model, initializers, _ = _qdq_facts(quantizer.quantize())
+        scales[method] = {
+            n.input[0]: float(initializers[n.input[1]]) for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and initializers[n.input[1]].shape == ()
+        }
+    # Min-max keeps every outlier: no tensor gets a smaller range from it, and some a larger one.
+    for method in ("entropy", "percentile"):
+        assert scales[method].keys() == scales["minmax"].keys()
+        assert all(scales["minmax"][t] >= scales[method][t] * 0.999 for t in scales[method])
+        assert any(scales["minmax"][t] > scales[method][t] * 1.05 for t in scales[method])
+    assert scales["entropy"] != scales["percentile"]
+
+
+def test_accurate_model_stays_fully_int8_within_budget(digits, trained_onnx, tmp_path):
+    train_split, held_out = digits
+    evaluator = Evaluator({"input": held_out.images}, held_out.labels)
+    result = quantize_model(trained_onnx, from_array(train_split.images, "input", 512), evaluator,
+                            QuantizeConfig(progress=False), tmp_path)
+    assert result.float_metric > 85.0
+    assert result.drop <= 1.0
+    assert result.fp16_layers == []
+    assert set(result.int8_layers) == {name for name, _ in QdqQuantizer(
+        trained_onnx, from_array(train_split.images, "input", 8), QuantizeConfig(progress=False),
+        tmp_path / "again").candidates}
+    assert len(result.sensitivity) == 6  # 4 convs, the residual add, the classifier
+    assert result.calibration["samples"] == 512
+    assert all(-1.0 <= layer.cosine <= 1.0 for layer in result.sensitivity)
+    assert [layer.sqnr_db for layer in result.sensitivity] == sorted(layer.sqnr_db for layer in result.sensitivity)
+
+
+def test_mixed_precision_keeps_a_minimal_set_of_layers_out_of_int8(tmp_path):
+    # An untrained model on noise has tiny logit margins, so INT8 flips some top-1 classes and a
+    # zero budget on agreement forces layers back to float.
+    torch.manual_seed(3)
+    model = SmallCNN().eval()
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((128, 3, SIZE, SIZE)).astype(np.float32)
+    float_bytes = export_onnx(model, torch.from_numpy(images[:2])).model_bytes
+    reference = Evaluator({"input": images}, reference=np.zeros((128, 1))).outputs(float_bytes)
+    evaluator = Evaluator({"input": images}, reference=reference)
+    config = QuantizeConfig(method="minmax", accuracy_budget=0.0, progress=False)
+    result = quantize_model(float_bytes, from_array(images, "input", 128), evaluator, config, tmp_path)
+    assert result.full_int8_metric < 100.0  # the premise: INT8 alone misses the budget
+    assert result.int8_metric == 100.0
+    assert 1 <= len(result.fp16_layers) < len(result.sensitivity)
+    assert not set(result.fp16_layers) & set(result.int8_layers)
+    assert set(result.fp16_layers) | set(result.int8_layers) == {s.name for s in result.sensitivity}
+    # Minimal: putting any one kept-out layer back into INT8 breaks the budget.
+    quantizer = QdqQuantizer(float_bytes, from_array(images, "input", 128), config, tmp_path / "check")
+    for layer in result.fp16_layers:
+        trial = [name for name in result.fp16_layers if name != layer]
+        assert evaluator(quantizer.quantize(exclude=trial)) < 100.0
+    assert set(quantized_layers(result.model_bytes)) == set(result.int8_layers)
+
+
+def test_search_reports_an_unreachable_budget(digits, trained_onnx, tmp_path):
+    from agent.errors import QuantizationError
+
+    train_split, held_out = digits
+    evaluator = Evaluator({"input": held_out.images[:64]}, held_out.labels[:64])
+    quantizer = QdqQuantizer(trained_onnx, from_array(train_split.images, "input", 64),
+                             QuantizeConfig(method="minmax", progress=False), tmp_path)
+    with pytest.raises(QuantizationError, match="budget not met"):
+        # A float metric no model can reach: the search must give up with an error, not loop.
+        search_mixed_precision(quantizer, evaluator, 101.0, [n for n, _ in quantizer.candidates], 0.0)
+
+
+@pytest.mark.parametrize("field,value", [("method", "kl"), ("accuracy_budget", -1.0), ("percentile", 50.0)])
+def test_invalid_config_names_the_field(field, value):
+    with pytest.raises(ConfigError) as error:
+        QuantizeConfig(**{field: value})
+    assert str(value) in str(error.value)

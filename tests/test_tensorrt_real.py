@@ -1,0 +1,84 @@
+"""The engine builder with a real TensorRT: run on a Jetson (``pytest -m tensorrt``).
+
+Deselected by default and skipped where TensorRT is absent. It never runs against the fake: a
+``tensorrt`` module that is the fake, or the empty namespace package that ``tensorrt-stubs``
+leaves behind, is refused before anything is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from models.tensorrt_builder import EngineBuildConfig, build_engine
+
+pytestmark = pytest.mark.tensorrt
+
+
+def _real_tensorrt() -> ModuleType:
+    trt = pytest.importorskip("tensorrt")
+    if getattr(trt, "_is_fake_tensorrt", False):
+        pytest.fail("the fake TensorRT is in sys.modules; a fake test leaked it")
+    if not hasattr(trt, "Builder"):
+        pytest.skip("'tensorrt' here is only the namespace package left by tensorrt-stubs, not TensorRT")
+    return trt
+
+
+def _model(tmp_path: Path, strongly_typed: bool) -> Path:
+    pytest.importorskip("onnx")
+    from tests.fakes.onnx_models import qdq_conv_model
+
+    return qdq_conv_model(tmp_path / "model.onnx", conv1_in_fp16=strongly_typed)
+
+
+def _config(tmp_path: Path, **overrides: object) -> EngineBuildConfig:
+    values: dict[str, object] = dict(
+        opt_batch=2,
+        max_batch=4,
+        min_height=16,
+        opt_height=32,
+        max_height=64,
+        min_width=16,
+        opt_width=32,
+        max_width=64,
+        workspace_bytes=256 << 20,
+        fp16_layers=("conv1",),
+        timing_cache_path=tmp_path / "timing.cache",
+    )
+    values.update(overrides)
+    return EngineBuildConfig(**values)  # type: ignore[arg-type]
+
+
+def test_real_engine_builds_and_deserializes(tmp_path: Path) -> None:
+    trt = _real_tensorrt()
+    strongly_typed = int(trt.__version__.split(".")[0]) >= 11
+    model = _model(tmp_path, strongly_typed)
+
+    result = build_engine(model, _config(tmp_path))
+    assert result.fingerprint.trt_version == trt.__version__
+    assert (tmp_path / "timing.cache").read_bytes() == result.timing_cache
+
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    engine = runtime.deserialize_cuda_engine(result.plan)
+    assert engine is not None
+    names = {engine.get_tensor_name(index) for index in range(engine.num_io_tensors)}
+    assert names == {"images", "features"}
+    assert engine.get_tensor_mode("images") == trt.TensorIOMode.INPUT
+    low, opt, high = engine.get_tensor_profile_shape("images", 0)
+    assert [list(low), list(opt), list(high)] == [[1, 3, 16, 16], [2, 3, 32, 32], [4, 3, 64, 64]]
+
+    # The second build loads the first's timing cache without a mismatch warning.
+    again = build_engine(model, _config(tmp_path))
+    assert not any("timing cache" in warning for warning in again.warnings)
+
+
+def test_real_dla_build(tmp_path: Path) -> None:
+    trt = _real_tensorrt()
+    if trt.Builder(trt.Logger()).num_DLA_cores == 0:
+        pytest.skip("this device has no DLA")
+    model = _model(tmp_path, int(trt.__version__.split(".")[0]) >= 11)
+    result = build_engine(model, _config(tmp_path, dla_core=0, gpu_fallback=True))
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(result.plan)
+    assert engine is not None

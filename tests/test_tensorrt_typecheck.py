@@ -1,0 +1,67 @@
+"""The engine builder type-checks against the TensorRT stubs (no TensorRT can run here).
+
+mypy runs with the repaired ``tensorrt-stubs`` (tools/trt_stubs.py) on its path, so every
+``trt.*`` call in models/tensorrt_builder.py is checked for names, argument types and returns. A
+second run on a deliberately wrong call proves the stubs were really in use (an unresolved
+``tensorrt`` would make everything ``Any`` and pass silently).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.trt_stubs import repaired_stubs_or_skip, stubs_tool
+
+pytest.importorskip("mypy")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _mypy(config: Path, *targets: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(config),
+            "--no-incremental",
+            "--cache-dir",
+            str(config.parent / ".mypy_cache"),
+            *map(str, targets),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def mypy_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    stubs = repaired_stubs_or_skip(tmp_path_factory.mktemp("trt-stubs"))
+    config: Path = stubs_tool().write_mypy_config(stubs, project_root=REPO)
+    return config
+
+
+def test_builder_type_checks_against_the_stubs(mypy_config: Path) -> None:
+    result = _mypy(mypy_config, REPO / "models" / "tensorrt_builder.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_stubs_are_really_used(mypy_config: Path, tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong_trt_use.py"
+    wrong.write_text(
+        "import tensorrt as trt\n"
+        "config = trt.Builder(trt.Logger()).create_builder_config()\n"
+        "config.set_flag(1)\n"
+        "config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, size=1)\n"
+    )
+    result = _mypy(mypy_config, wrong)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert '"set_flag" of "IBuilderConfig" has incompatible type "int"' in result.stdout
+    assert 'Unexpected keyword argument "size"' in result.stdout
