@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from agent import __version__
-from agent.errors import ConfigError, ModelError, PruningError
+from agent.errors import ConfigError, PruningError
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
 from models.calibration import DEFAULT_SAMPLES, CalibrationSet, from_array, from_directory
 from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, quantize_model
@@ -229,7 +229,8 @@ def build(options: BuildOptions) -> BuildResult:
         files["model.onnx"].write_bytes(quantized.model_bytes)
         engines: dict[str, str] = {}
         if options.build_engine:
-            engines = stages.run("TensorRT engine", _build_engine, files, work, quantized, options)
+            engines = stages.run("TensorRT engine", _build_engine, files, work, quantized,
+                                 _engine_profile(meta, options))
 
         from models.onnx_model import io_specs
         import onnx
@@ -248,7 +249,7 @@ def build(options: BuildOptions) -> BuildResult:
             "accuracy": report["accuracy"],
             "engines": engines,
             "min_agent_version": MIN_AGENT_VERSION,
-            "spatial": meta.get("spatial"),
+            "engine_profile": _engine_profile(meta, options),
         }
         report.update(
             {
@@ -474,12 +475,33 @@ def _speed_report(float_bytes: bytes, int8_bytes: bytes, meta: dict[str, Any],
     }
 
 
+def _engine_profile(meta: dict[str, Any], options: BuildOptions) -> dict[str, list[int]]:
+    """The shape ranges a TensorRT engine for this bundle is built for: batch from 1 to
+    ``max_batch`` tuned at ``opt_batch`` and, for models that take any image size, height and width
+    from the training size to twice the deployment size, tuned at the deployment size."""
+    profile = {"batch": [1, options.opt_batch, options.max_batch]}
+    if meta["dynamic_spatial"]:
+        smallest = int(min(meta["sample_shape"][-2:]))
+        spatial = [min(smallest, options.speed_size), options.speed_size, 2 * options.speed_size]
+        profile.update({"height": spatial, "width": list(spatial)})
+    return profile
+
+
 def _build_engine(files: dict[str, Path], work: Path, quantized: QuantizeResult,
-                  options: BuildOptions) -> dict[str, str]:
+                  profile: dict[str, list[int]]) -> dict[str, str]:
     from models.tensorrt_builder import EngineBuildConfig, build_engine
 
-    config = EngineBuildConfig(opt_batch=options.opt_batch, max_batch=options.max_batch,
-                               fp16_layers=tuple(quantized.fp16_layers))
+    spatial: dict[str, int] = {}
+    for axis in ("height", "width"):
+        if axis in profile:
+            spatial.update(zip((f"min_{axis}", f"opt_{axis}", f"max_{axis}"), profile[axis]))
+    config = EngineBuildConfig(
+        min_batch=profile["batch"][0],
+        opt_batch=profile["batch"][1],
+        max_batch=profile["batch"][2],
+        fp16_layers=tuple(quantized.fp16_layers),
+        **spatial,
+    )
     result = build_engine(files["model.onnx"], config)
     member = f"engines/{result.fingerprint.key()}.plan"
     path = work / member

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -379,13 +379,16 @@ def measure_sensitivity(
     quantizer: QdqQuantizer,
     evaluator: Evaluator,
     float_outputs: np.ndarray,
-    progress: Callable[[int, int, str], None] | None = None,
+    progress: bool = False,
 ) -> list[LayerSensitivity]:
     """Quantize each candidate layer alone; most sensitive (lowest output SQNR) first."""
     results = []
-    for index, (name, op_type) in enumerate(quantizer.candidates):
-        if progress is not None:
-            progress(index, len(quantizer.candidates), name)
+    layers = quantizer.candidates
+    if progress:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc="layer sensitivity", unit="layer", leave=False)
+    for name, op_type in layers:
         outputs = evaluator.outputs(quantizer.quantize(only=[name]))
         results.append(
             LayerSensitivity(
@@ -487,7 +490,7 @@ def quantize_model(
         quantizer,
         sensitivity_evaluator,
         sensitivity_evaluator.outputs(float_model),
-        progress=lambda index, total, name: log.debug("sensitivity %d/%d: %s", index + 1, total, name),
+        progress=config.progress,
     )
     timings["sensitivity_s"] = time.perf_counter() - sensitivity_started
 

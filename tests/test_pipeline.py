@@ -64,6 +64,8 @@ def test_build_example_makes_a_verified_bundle_and_report(tmp_path, keys, capsys
     assert manifest["calibration"]["samples"] == 128
     assert manifest["precision"]["int8_layers"]
     assert manifest["accuracy"]["drop"] <= manifest["accuracy"]["budget"]
+    assert manifest["engine_profile"] == {"batch": [1, 8, 32], "height": [16, 224, 448],
+                                          "width": [16, 224, 448]}
 
     report = json.loads((out / "report.json").read_text())
     assert report["accuracy"]["metric"] == "top1"
@@ -165,3 +167,23 @@ def test_wrong_kind_of_key_is_refused(tmp_path, keys, capsys):
     err = _fails(["build", "--model", MODEL, "--key", f"{keys}.pub", "--out", str(out)], capsys)
     assert "signing.key.pub" in err
     assert _outputs(out) == set()
+
+
+def test_engine_option_puts_a_plan_for_this_device_in_the_bundle(tmp_path, keys, monkeypatch):
+    """TensorRT is faked at its module seam and the GPU at the driver query; the rest is real."""
+    import sys
+
+    import models.tensorrt_builder as builder
+    from tests.fakes.fake_tensorrt import decode_plan, make_fake_tensorrt
+
+    monkeypatch.setitem(sys.modules, "tensorrt", make_fake_tensorrt("10.3.0.30"))
+    monkeypatch.setattr(builder, "cuda_compute_capability", lambda: "8.7")
+    out = tmp_path / "out"
+    assert main(["build", "--model", MODEL, "--key", str(keys), "--out", str(out), *FAST, "--engine"]) == 0
+    bundle = open_bundle(out / f"{MODEL}-1.bundle", [load_public_key(Path(f"{keys}.pub"))])
+    (fingerprint, member), = bundle.manifest["engines"].items()
+    assert fingerprint.startswith("trt10.3.0.30-sm87") and member == f"engines/{fingerprint}.plan"
+    plan = decode_plan(bundle.read_member(member))
+    assert plan["profiles"] == [
+        {"input": {"min": [1, 3, 16, 16], "opt": [8, 3, 224, 224], "max": [32, 3, 448, 448]}}
+    ]
