@@ -20,6 +20,7 @@ import numpy as np
 from agent import __version__
 from agent.errors import ConfigError, PruningError
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
+from models.bundle import pack_bundle
 from models.calibration import DEFAULT_SAMPLES, CalibrationSet, from_array, from_directory
 from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, quantize_model
 
@@ -105,13 +106,13 @@ def _slug(text: str) -> str:
     return slug or "model"
 
 
-def _signing_key(options: BuildOptions) -> tuple[Any, str, Path | None]:
+def _signing_key(options: BuildOptions) -> tuple[Any, str]:
     """The private key to sign with; a new pair in the output directory when none is given."""
     from models import signing
 
     if options.key is not None:
         key = signing.load_private_key(options.key)
-        return key, signing.compute_key_id(key.public_key()), None
+        return key, signing.compute_key_id(key.public_key())
     default = options.out_dir / "signing.key"
     if not default.exists():
         signing.write_keypair(default)
@@ -121,7 +122,7 @@ def _signing_key(options: BuildOptions) -> tuple[Any, str, Path | None]:
             default,
         )
     key = signing.load_private_key(default)
-    return key, signing.compute_key_id(key.public_key()), default
+    return key, signing.compute_key_id(key.public_key())
 
 
 def _speed(model_bytes: bytes, input_name: str, shape: tuple[int, ...], threads: int,
@@ -196,7 +197,7 @@ def build(options: BuildOptions) -> BuildResult:
     stages = _Stages()
     started = time.perf_counter()
     report: dict[str, Any] = {"agent_version": __version__}
-    key, key_id, generated_key = _signing_key(options)
+    key, key_id = _signing_key(options)
 
     with staging_dir(options.out_dir, prefix=".build-") as work:
         if options.onnx is not None:
@@ -207,6 +208,9 @@ def build(options: BuildOptions) -> BuildResult:
                 "prepare PyTorch model", _from_torch, options, report, stages)
         name = options.name or meta["name"]
         version = options.version or next_version(options.out_dir, name)
+        bundle_path = options.out_dir / f"{name}-{version}.bundle"
+        if bundle_path.exists():
+            raise ConfigError("bundle already exists; pick another --version", path=bundle_path)
 
         quantized: QuantizeResult = stages.run(
             "INT8 calibration and mixed precision",
@@ -219,7 +223,7 @@ def build(options: BuildOptions) -> BuildResult:
             work / "quantize",
         )
         report["quantization"] = _quantization_report(quantized, options)
-        report["accuracy"] = _accuracy_report(report, quantized, meta, options)
+        report["accuracy"] = _accuracy_report(quantized, meta, options)
 
         speed = stages.run("host speed check", _speed_report, float_bytes, quantized.model_bytes,
                            meta, options)
@@ -232,25 +236,7 @@ def build(options: BuildOptions) -> BuildResult:
             engines = stages.run("TensorRT engine", _build_engine, files, work, quantized,
                                  _engine_profile(meta, options))
 
-        from models.onnx_model import io_specs
-        import onnx
-
-        inputs, outputs = io_specs(onnx.load_from_string(quantized.model_bytes))
-        manifest = {
-            "name": name,
-            "version": version,
-            "inputs": [spec.to_manifest("NCHW" if len(spec.shape) == 4 else None) for spec in inputs],
-            "outputs": [spec.to_manifest() for spec in outputs],
-            "preprocessing": meta.get("preprocessing"),
-            "precision": quantized.precision_plan(),
-            "max_batch": options.max_batch,
-            "opt_batch": options.opt_batch,
-            "calibration": quantized.calibration,
-            "accuracy": report["accuracy"],
-            "engines": engines,
-            "min_agent_version": MIN_AGENT_VERSION,
-            "engine_profile": _engine_profile(meta, options),
-        }
+        manifest = _manifest(name, version, quantized, engines, report["accuracy"], meta, options)
         report.update(
             {
                 "name": name,
@@ -265,18 +251,36 @@ def build(options: BuildOptions) -> BuildResult:
         (work / "report.json").write_text(report_text)
         files["report.json"] = work / "report.json"
 
-        from models.bundle import pack_bundle
-
-        bundle_path = options.out_dir / f"{name}-{version}.bundle"
-        if bundle_path.exists():
-            raise ConfigError("bundle already exists; pick another --version", path=bundle_path)
         final_manifest = pack_bundle(bundle_path, manifest, files, key)
         report_path = options.out_dir / "report.json"
         atomic_write_text(report_path, report_text)
         fsync_dir(options.out_dir)
-    if generated_key is not None:
-        report["generated_key"] = str(generated_key)
     return BuildResult(bundle_path, report_path, report, final_manifest)
+
+
+def _manifest(name: str, version: int, quantized: QuantizeResult, engines: dict[str, str],
+              accuracy: dict[str, Any], meta: dict[str, Any], options: BuildOptions) -> dict[str, Any]:
+    """The bundle manifest (design 5.1) without the fields pack_bundle fills in."""
+    import onnx
+
+    from models.onnx_model import io_specs
+
+    inputs, outputs = io_specs(onnx.load_from_string(quantized.model_bytes))
+    return {
+        "name": name,
+        "version": version,
+        "inputs": [spec.to_manifest("NCHW" if len(spec.shape) == 4 else None) for spec in inputs],
+        "outputs": [spec.to_manifest() for spec in outputs],
+        "preprocessing": meta.get("preprocessing"),
+        "precision": quantized.precision_plan(),
+        "max_batch": options.max_batch,
+        "opt_batch": options.opt_batch,
+        "engine_profile": _engine_profile(meta, options),
+        "calibration": quantized.calibration,
+        "accuracy": accuracy,
+        "engines": engines,
+        "min_agent_version": MIN_AGENT_VERSION,
+    }
 
 
 def _json_default(value: Any) -> Any:
@@ -293,7 +297,7 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
     from models import zoo
     from models.checkpoints import load_example
     from pruning import count_macs_and_params
-    from models.data import load_digits_splits
+    from models.data import digits_preprocessing, load_digits_splits
     from models.export import export_onnx
     from models.train import predict, top1_accuracy
 
@@ -325,8 +329,6 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
     calibration = from_array(train_split.images, exported.input_name, options.calib_samples,
                              source=f"digits train split ({len(train_split)} images)")
     evaluator = Evaluator({exported.input_name: held_out.images}, held_out.labels)
-    from models.data import digits_preprocessing
-
     meta = {
         "name": spec.name,
         "source": {"kind": "zoo", "model": spec.name},
@@ -342,11 +344,12 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
 
 
 def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
+    import onnx
     import torch
 
     from models.export import export_onnx
     from models.loader import load_user_model
-    from models.onnx_model import TensorSpec
+    from models.onnx_model import TensorSpec, io_specs
 
     if options.prune_ratio or options.prune_target_macs:
         raise PruningError(
@@ -360,9 +363,6 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
     example = torch.from_numpy(probe.arrays["input"])
     exported = stages.run("export ONNX", export_onnx, model, example)
     report["export"] = _export_report(exported)
-    from models.onnx_model import io_specs
-    import onnx
-
     inputs, _ = io_specs(onnx.load_from_string(exported.model_bytes))
     calibration = from_directory(options.calib_dir, inputs, options.calib_samples)
     evaluator = _agreement_evaluator(exported.model_bytes, calibration)
@@ -437,7 +437,7 @@ def _quantization_report(result: QuantizeResult, options: BuildOptions) -> dict[
     }
 
 
-def _accuracy_report(report: dict[str, Any], result: QuantizeResult, meta: dict[str, Any],
+def _accuracy_report(result: QuantizeResult, meta: dict[str, Any],
                      options: BuildOptions) -> dict[str, Any]:
     accuracy: dict[str, Any] = {
         "metric": result.metric_name,

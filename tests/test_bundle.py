@@ -22,19 +22,16 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.errors import BundleError, SignatureError
-from models.bundle import (
+from models.bundle import inspect_bundle, open_bundle, pack_bundle, resign_bundle
+from models.manifest import (
     MANIFEST_SCHEMA_VERSION,
-    BundleLimits,
     canonical_manifest_bytes,
     check_compatibility,
-    inspect_bundle,
-    open_bundle,
-    pack_bundle,
     parse_utc_timestamp,
-    resign_bundle,
     validate_manifest,
 )
 from models.signing import compute_key_id, generate_private_key, sign_manifest
+from models.tarscan import BundleLimits
 
 ENGINE_FINGERPRINT = "orin-nano-jp6-trt10.3"
 ENGINE_MEMBER = f"engines/{ENGINE_FINGERPRINT}.plan"

@@ -187,3 +187,39 @@ def test_engine_option_puts_a_plan_for_this_device_in_the_bundle(tmp_path, keys,
     assert plan["profiles"] == [
         {"input": {"min": [1, 3, 16, 16], "opt": [8, 3, 224, 224], "max": [32, 3, 448, 448]}}
     ]
+
+
+def make_small_cnn():
+    """A user's model factory, as ``--user-model tests.test_pipeline:make_small_cnn`` names it."""
+    from models.zoo.small_cnn import SmallCNN
+
+    return SmallCNN(num_classes=10)
+
+
+def test_build_from_a_user_pytorch_model(tmp_path, keys, digits_onnx):
+    from models.checkpoints import load_example
+
+    _, calib = digits_onnx
+    checkpoint = tmp_path / "user.pt"
+    torch.save(load_example(MODEL).state_dict(), checkpoint)
+    out = tmp_path / "out"
+    assert main(["build", "--user-model", "tests.test_pipeline:make_small_cnn", "--checkpoint",
+                 str(checkpoint), "--calib-dir", str(calib), "--key", str(keys), "--out", str(out),
+                 "--calib-samples", "96"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["name"] == "make_small_cnn"
+    assert report["accuracy"]["metric"] == "agreement"
+    assert report["export"]["dynamic_spatial"]
+
+
+def test_user_checkpoint_that_does_not_fit_is_refused(tmp_path, keys, digits_onnx, capsys):
+    from models.zoo.small_cnn import SmallCNN
+
+    _, calib = digits_onnx
+    checkpoint = tmp_path / "wide.pt"
+    torch.save(SmallCNN(width=32).state_dict(), checkpoint)
+    out = tmp_path / "out"
+    err = _fails(["build", "--user-model", "tests.test_pipeline:make_small_cnn", "--checkpoint",
+                  str(checkpoint), "--calib-dir", str(calib), "--key", str(keys), "--out", str(out)], capsys)
+    assert "checkpoint does not match the model" in err
+    assert _outputs(out) == set()

@@ -19,15 +19,17 @@ import pytest
 pytest.importorskip("onnx")
 
 from agent.errors import ConfigError, EngineError, MissingDependencyError  # noqa: E402
-from models.tensorrt_builder import (  # noqa: E402
+from models.fingerprint import (  # noqa: E402
     DeviceFingerprint,
+    cuda_compute_capability,
+    read_l4t_release,
+)
+from models.tensorrt_builder import (  # noqa: E402
     EngineBuildConfig,
     EngineBuildResult,
     ShapeRange,
     build_engine,
-    cuda_compute_capability,
     profile_shapes,
-    read_l4t_release,
 )
 from tests.fakes.fake_tensorrt import decode_plan, make_fake_tensorrt, state_of  # noqa: E402
 from tests.fakes.onnx_models import qdq_conv_model  # noqa: E402

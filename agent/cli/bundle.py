@@ -107,7 +107,7 @@ def read_build_directory(source: Path) -> tuple[dict[str, Any], dict[str, Path]]
         BundleError: no readable manifest.json, a linked directory, or an entry that is neither
             a file nor a directory (a FIFO, a dangling link).
     """
-    from models.bundle import MANIFEST_MEMBER, SIGNATURE_MEMBER, parse_manifest_bytes
+    from models.manifest import MANIFEST_MEMBER, SIGNATURE_MEMBER, parse_manifest_bytes
 
     manifest_path = source / MANIFEST_MEMBER
     try:
