@@ -43,29 +43,42 @@ class PipelineBenchConfig:
     threads: int = 2
     size: int = 224
     batches: tuple[int, ...] = (1, 8)
-    min_time_s: float = 2.0
+    min_time_s: float = 3.0  # per variant and batch, split over the rounds
     min_runs: int = 5
+    rounds: int = 3
     matmul_size: int = 2048
     calib_samples: int = 512
     accuracy_budget: float = 1.0
 
 
-def time_call(function: Callable[[], Any], batch: int, config: PipelineBenchConfig) -> dict[str, float]:
-    """Median latency of ``function`` over at least ``min_runs`` runs and ``min_time_s`` seconds."""
+def time_call(function: Callable[[], Any], min_time_s: float, min_runs: int) -> list[float]:
+    """Latencies (s) of ``function`` over at least ``min_runs`` runs and ``min_time_s`` seconds."""
     function()  # warm-up: first-run allocations and kernel selection
-    function()
-    latencies = []
+    latencies: list[float] = []
     started = time.perf_counter()
-    while len(latencies) < config.min_runs or time.perf_counter() - started < config.min_time_s:
+    while len(latencies) < min_runs or time.perf_counter() - started < min_time_s:
         begin = time.perf_counter()
         function()
         latencies.append(time.perf_counter() - begin)
-    median = statistics.median(latencies)
-    return {"img_s": batch / median, "latency_ms": median * 1e3, "runs": len(latencies)}
+    return latencies
 
 
-def int8_matmul_macs_per_s(size: int, threads: int, config: PipelineBenchConfig) -> float:
-    """MACs/s of a size^3 symmetric INT8 QDQ MatMul in ONNX Runtime (one integer GEMM)."""
+def cpu_steal_fraction(before: list[int] | None = None) -> tuple[list[int], float]:
+    """CPU time counters from /proc/stat and, given earlier counters, the fraction of the time in
+    between that the hypervisor gave to other guests ("steal"): a sign of a noisy machine."""
+    try:
+        with open("/proc/stat") as handle:
+            counters = [int(value) for value in handle.readline().split()[1:]]
+    except (OSError, ValueError):
+        return [], 0.0
+    if not before or len(counters) < 8:
+        return counters, 0.0
+    deltas = [now - then for now, then in zip(counters, before)]
+    return counters, deltas[7] / max(1, sum(deltas))
+
+
+def int8_matmul(size: int, threads: int) -> Callable[[], Any]:
+    """A size^3 symmetric INT8 QDQ MatMul in ONNX Runtime (one integer GEMM), ready to call."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -95,8 +108,7 @@ def int8_matmul_macs_per_s(size: int, threads: int, config: PipelineBenchConfig)
     onnx.checker.check_model(model)
     session = create_session(model.SerializeToString(), threads=threads)
     a = rng.standard_normal((size, size)).astype(np.float32)
-    timing = time_call(lambda: session.run(None, {"a": a}), 1, config)
-    return size**3 / (timing["latency_ms"] / 1e3)
+    return lambda: session.run(None, {"a": a})
 
 
 def run(config: PipelineBenchConfig, json_path: Path | None = None) -> dict[str, Any]:
@@ -106,8 +118,7 @@ def run(config: PipelineBenchConfig, json_path: Path | None = None) -> dict[str,
     from models.data import load_digits_splits
     from pruning import count_macs_and_params
     from models.export import export_onnx
-    from models.ort import create_session
-    from models.pipeline import BuildOptions, _prune
+    from models.pipeline import BuildOptions, prune_and_finetune
     from models.quantize import Evaluator, QuantizeConfig, quantize_model
     from models.calibration import from_array
     from models.train import predict, top1_accuracy
@@ -121,7 +132,7 @@ def run(config: PipelineBenchConfig, json_path: Path | None = None) -> dict[str,
     options = BuildOptions(out_dir=Path("."), model=MODEL, prune_ratio=config.prune_ratio,
                            finetune_epochs=config.finetune_epochs, progress=False)
     speed_example = torch.zeros(1, 3, config.size, config.size)
-    pruned, prune_report = _prune(baseline, options, train_split, held_out, speed_example)
+    pruned, prune_report = prune_and_finetune(baseline, options, train_split, held_out, speed_example)
 
     variants: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="edge-agent-bench-") as scratch:
@@ -162,39 +173,78 @@ def run(config: PipelineBenchConfig, json_path: Path | None = None) -> dict[str,
                 "fp16_layers": quantized.fp16_layers,
             }
 
-    log.info("measuring the INT8 matrix-multiply roofline (%d^3)", config.matmul_size)
-    matmul_macs_s = int8_matmul_macs_per_s(config.matmul_size, config.threads, config)
-    rng = np.random.default_rng(0)
-    results: dict[str, Any] = {}
-    for batch in config.batches:
-        frames = rng.standard_normal((batch, 3, config.size, config.size)).astype(np.float32)
-        tensor = torch.from_numpy(frames)
-        row: dict[str, Any] = {}
-        for name, variant in variants.items():
-            if "module" in variant:
-                module = variant["module"]
-
-                def call(module=module) -> Any:
-                    with torch.no_grad():
-                        return module(tensor)
-            else:
-                session = create_session(variant["onnx"], threads=config.threads)
-
-                def call(session=session) -> Any:
-                    return session.run(None, {"input": frames})
-            timing = time_call(call, batch, config)
-            timing["macs_per_s"] = variant["macs_per_image"] * timing["img_s"]
-            row[name] = timing
-            log.info("batch %d  %-22s %8.1f img/s", batch, name, timing["img_s"])
-        results[str(batch)] = row
-
-    summary = _summarise(results, variants, matmul_macs_s, config, prune_report)
+    results, matmul, steal = _measure(variants, config)
+    summary = _summarise(results, variants, matmul, config, prune_report)
+    summary["cpu_steal_fraction"] = steal
     if json_path is not None:
         atomic_write_text(json_path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
 
 
-def _summarise(results: dict[str, Any], variants: dict[str, Any], matmul_macs_s: float,
+def _measure(variants: dict[str, dict[str, Any]], config: PipelineBenchConfig):
+    """Time every variant at every batch size, and the INT8 matmul reference, in interleaved
+    rounds: on a shared (virtual) machine the speed drifts, and interleaving spreads the drift over
+    every variant instead of penalising whichever ran at a bad moment. The roofline fraction is
+    computed per round (model and matmul measured minutes apart would not be comparable) and the
+    median over rounds is reported."""
+    import torch
+
+    from models.ort import create_session
+
+    rng = np.random.default_rng(0)
+    calls: dict[tuple[int, str], Callable[[], Any]] = {}
+    for batch in config.batches:
+        frames = rng.standard_normal((batch, 3, config.size, config.size)).astype(np.float32)
+        tensor = torch.from_numpy(frames)
+        for name, variant in variants.items():
+            if "module" in variant:
+                def call(module=variant["module"], tensor=tensor) -> Any:
+                    with torch.no_grad():
+                        return module(tensor)
+            else:
+                def call(session=create_session(variant["onnx"], threads=config.threads),
+                         frames=frames) -> Any:
+                    return session.run(None, {"input": frames})
+            calls[(batch, name)] = call
+    matmul = int8_matmul(config.matmul_size, config.threads)
+    matmul_macs = config.matmul_size**3
+    window_s = config.min_time_s / config.rounds
+    latencies: dict[tuple[int, str], list[float]] = {key: [] for key in calls}
+    matmul_latencies: list[float] = []
+    roofline_rounds: dict[str, list[float]] = {"int8": [], "pruned_int8": []}
+    counters, _ = cpu_steal_fraction()
+    for round_index in range(config.rounds):
+        round_matmul = time_call(matmul, window_s, config.min_runs)
+        matmul_latencies += round_matmul
+        matmul_rate = matmul_macs / statistics.median(round_matmul)
+        for (batch, name), call in calls.items():
+            measured = time_call(call, window_s, config.min_runs)
+            latencies[(batch, name)] += measured
+            if batch == max(config.batches) and name in roofline_rounds:
+                rate = variants[name]["macs_per_image"] * batch / statistics.median(measured)
+                roofline_rounds[name].append(rate / matmul_rate)
+        log.info("round %d/%d done (INT8 matmul %.0f GMAC/s)", round_index + 1, config.rounds,
+                 matmul_rate / 1e9)
+    _, steal = cpu_steal_fraction(counters)
+    results: dict[str, Any] = {}
+    for (batch, name), measured in latencies.items():
+        median = statistics.median(measured)
+        results.setdefault(str(batch), {})[name] = {
+            "img_s": batch / median,
+            "latency_ms": median * 1e3,
+            "best_img_s": batch / min(measured),
+            "runs": len(measured),
+            "macs_per_s": variants[name]["macs_per_image"] * batch / median,
+        }
+    matmul_summary = {
+        "size": config.matmul_size,
+        "macs_per_s": matmul_macs / statistics.median(matmul_latencies),
+        "roofline_rounds": roofline_rounds,
+    }
+    return results, matmul_summary, steal
+
+
+def _summarise(results: dict[str, Any], variants: dict[str, Any], matmul: dict[str, Any],
                config: PipelineBenchConfig, prune_report: dict[str, Any]) -> dict[str, Any]:
     batch8 = results[str(max(config.batches))]
     baseline = batch8["fp32"]["img_s"]
@@ -202,6 +252,8 @@ def _summarise(results: dict[str, Any], variants: dict[str, Any], matmul_macs_s:
         "config": {
             "model": "ResNet-18 (digits-trained), " f"{config.size}x{config.size}",
             "threads": config.threads,
+            "rounds": config.rounds,
+            "timing": "median latency over interleaved rounds; img/s = batch / median",
             "batches": list(config.batches),
             "prune_ratio": config.prune_ratio,
             "accuracy_budget": config.accuracy_budget,
@@ -221,11 +273,13 @@ def _summarise(results: dict[str, Any], variants: dict[str, Any], matmul_macs_s:
         "int8_top1": variants["int8"]["top1"],
         "pruned_int8_top1": variants["pruned_int8"]["top1"],
         "top1_drop": variants["fp32"]["top1"] - variants["pruned_int8"]["top1"],
-        "int8_matmul_gmacs_s": matmul_macs_s / 1e9,
+        "int8_matmul_gmacs_s": matmul["macs_per_s"] / 1e9,
         "int8_gmacs_s": batch8["int8"]["macs_per_s"] / 1e9,
         "pruned_int8_gmacs_s": batch8["pruned_int8"]["macs_per_s"] / 1e9,
-        "roofline_fraction": batch8["int8"]["macs_per_s"] / matmul_macs_s,
-        "pruned_roofline_fraction": batch8["pruned_int8"]["macs_per_s"] / matmul_macs_s,
+        # Median over rounds of (model MACs/s) / (matmul MACs/s), each pair measured together.
+        "roofline_fraction": statistics.median(matmul["roofline_rounds"]["int8"]),
+        "pruned_roofline_fraction": statistics.median(matmul["roofline_rounds"]["pruned_int8"]),
+        "roofline_rounds": matmul["roofline_rounds"],
         "macs_per_image": variants["fp32"]["macs_per_image"],
         "pruned_macs_per_image": variants["pruned_fp32"]["macs_per_image"],
         "fp16_layers": {
@@ -265,5 +319,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"INT8 roofline: model {summary['int8_gmacs_s']:.0f} GMAC/s (pruned "
         f"{summary['pruned_int8_gmacs_s']:.0f}) / matmul {summary['int8_matmul_gmacs_s']:.0f} "
         f"GMAC/s = {summary['roofline_fraction']:.2f} (pruned {summary['pruned_roofline_fraction']:.2f})",
+        f"CPU steal during timing: {100 * summary['cpu_steal_fraction']:.1f}% "
+        "(time the hypervisor gave to other guests)",
     ]
     return "\n".join(lines)

@@ -155,7 +155,7 @@ class _Stages:
         return result
 
 
-def _prune(model: Any, options: BuildOptions, train_split: Any, held_out: Any,
+def prune_and_finetune(model: Any, options: BuildOptions, train_split: Any, held_out: Any,
            example: Any) -> tuple[Any, dict[str, Any]]:
     from pruning import PruneConfig, prune_model
 
@@ -316,7 +316,7 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
     pruned_top1 = None
     if options.prune_ratio or options.prune_target_macs:
         # MACs (and a MAC target) are counted at the deployment size, not the training size.
-        model, prune_report = stages.run("prune channels", _prune, model, options, train_split,
+        model, prune_report = stages.run("prune channels", prune_and_finetune, model, options, train_split,
                                          held_out, speed_example)
         report["pruning"] = prune_report
         pruned_top1 = prune_report["top1"]

@@ -21,8 +21,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pipeline.add_argument("--finetune-epochs", type=int, default=4)
     pipeline.add_argument("--threads", type=int, default=2)
     pipeline.add_argument("--size", type=int, default=224)
-    pipeline.add_argument("--min-time", type=float, default=2.0, metavar="SECONDS",
-                          help="time each variant for at least this long")
+    pipeline.add_argument("--min-time", type=float, default=3.0, metavar="SECONDS",
+                          help="time each variant for at least this long (over all rounds)")
+    pipeline.add_argument("--rounds", type=int, default=3,
+                          help="interleaved timing rounds (spreads machine noise over variants)")
     pipeline.set_defaults(handler=run_pipeline)
 
 
@@ -36,6 +38,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
         threads=args.threads,
         size=args.size,
         min_time_s=args.min_time,
+        rounds=args.rounds,
     )
     summary = run(config, args.json)
     print(format_table(summary))

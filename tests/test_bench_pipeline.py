@@ -1,0 +1,31 @@
+"""The pipeline benchmark end to end, at a small size (slow: it trains and prunes ResNet-18)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from agent.cli import main  # noqa: E402
+
+REQUIRED_KEYS = (
+    "baseline_img_s", "int8_img_s", "pruned_int8_img_s", "speedup_int8", "speedup_pruned_int8",
+    "fp32_top1", "pruned_int8_top1", "top1_drop", "roofline_fraction",
+)
+
+
+@pytest.mark.slow
+def test_bench_pipeline_writes_every_required_key(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "pipeline", "--json", str(out), "--size", "64", "--min-time", "0.3",
+                 "--rounds", "1", "--finetune-epochs", "1"]) == 0
+    summary = json.loads(out.read_text())
+    for key in REQUIRED_KEYS:
+        assert isinstance(summary[key], float), key
+    assert summary["speedup_int8"] == pytest.approx(summary["int8_img_s"] / summary["baseline_img_s"])
+    assert summary["top1_drop"] == pytest.approx(summary["fp32_top1"] - summary["pruned_int8_top1"])
+    assert summary["pruned_macs_per_image"] < summary["macs_per_image"]
+    assert set(summary["per_batch"]) == {"1", "8"}
+    assert "speedup_pruned_int8" in capsys.readouterr().out
