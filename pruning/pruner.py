@@ -111,14 +111,7 @@ class AlignedPruner(tp.pruner.BasePruner):
 
 def output_channel_counts(model: nn.Module, example_input: Tensor) -> set[int]:
     """The size of axis 1 of every tensor the model returns (classes, or channels of a map)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            outputs = model(example_input)
-    finally:
-        model.train(was_training)
-    return {int(tensor.shape[1]) for tensor in _flatten_tensors(outputs) if tensor.dim() >= 2}
+    return {shape[1] for shape in output_shapes(model, example_input) if len(shape) >= 2}
 
 
 def output_shapes(model: nn.Module, example_input: Tensor) -> list[tuple[int, ...]]:
