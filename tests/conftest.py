@@ -2,22 +2,28 @@
 
 Tests that need the host extra (torch, ONNX tooling) call ``pytest.importorskip`` so that the device
 pass on Python 3.10 (installed without torch) skips them. ``EDGE_AGENT_REQUIRE_HOST=1`` (set by the
-main CI pass) turns such a skip into a failure, so a broken host install cannot pass silently.
+main CI pass) stops the run before it starts when a host module is missing, so a broken host install
+cannot pass as a run of skips.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 
+HOST_MODULES = ("torch", "torch_pruning", "onnx", "onnxruntime", "onnxslim", "sklearn", "tqdm")
 
-def pytest_collectreport(report: pytest.CollectReport) -> None:
-    if os.environ.get("EDGE_AGENT_REQUIRE_HOST") != "1" or not report.skipped:
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("EDGE_AGENT_REQUIRE_HOST") != "1":
         return
-    reason = str(report.longrepr)
-    if "could not import" in reason:
-        report.outcome = "failed"
+    missing = [name for name in HOST_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise pytest.UsageError(
+            "EDGE_AGENT_REQUIRE_HOST=1 but the host extra is incomplete: missing " + ", ".join(missing)
+        )
 
 
 @pytest.fixture(autouse=True)
