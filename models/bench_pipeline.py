@@ -21,7 +21,6 @@ import json
 import logging
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from agent.fsutil import atomic_write_text
+from models.timing import time_call
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +49,6 @@ class PipelineBenchConfig:
     matmul_size: int = 2048
     calib_samples: int = 512
     accuracy_budget: float = 1.0
-
-
-def time_call(function: Callable[[], Any], min_time_s: float, min_runs: int) -> list[float]:
-    """Latencies (s) of ``function`` over at least ``min_runs`` runs and ``min_time_s`` seconds."""
-    function()  # warm-up: first-run allocations and kernel selection
-    latencies: list[float] = []
-    started = time.perf_counter()
-    while len(latencies) < min_runs or time.perf_counter() - started < min_time_s:
-        begin = time.perf_counter()
-        function()
-        latencies.append(time.perf_counter() - begin)
-    return latencies
 
 
 def cpu_steal_fraction(before: list[int] | None = None) -> tuple[list[int], float]:

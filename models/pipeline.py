@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from agent.errors import ConfigError, PruningError
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
 from models.bundle import pack_bundle
 from models.calibration import DEFAULT_SAMPLES, CalibrationSet, from_array, from_directory
-from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, quantize_model
+from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, model_outputs, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -125,20 +126,15 @@ def _signing_key(options: BuildOptions) -> tuple[Any, str]:
     return key, signing.compute_key_id(key.public_key())
 
 
-def _speed(model_bytes: bytes, input_name: str, shape: tuple[int, ...], threads: int,
-           repeats: int = 5) -> float:
-    """Images per second of an ONNX model on this host (best of ``repeats`` runs)."""
+def _speed(model_bytes: bytes, input_name: str, shape: tuple[int, ...], threads: int) -> float:
+    """Images per second of an ONNX model on this host (median latency over about a second)."""
     from models.ort import create_session
+    from models.timing import time_call
 
     session = create_session(model_bytes, threads=threads)
     batch = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    session.run(None, {input_name: batch})
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        session.run(None, {input_name: batch})
-        best = min(best, time.perf_counter() - started)
-    return shape[0] / best
+    latencies = time_call(lambda: session.run(None, {input_name: batch}), 1.0, 5)
+    return shape[0] / statistics.median(latencies)
 
 
 class _Stages:
@@ -380,8 +376,7 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
 
 def _agreement_evaluator(float_bytes: bytes, calibration: CalibrationSet) -> Evaluator:
     """Without labels, INT8 is judged by agreement with the FP32 model on the calibration set."""
-    reference = Evaluator(calibration.arrays, reference=np.zeros((len(calibration), 1)))
-    return Evaluator(calibration.arrays, reference=reference.outputs(float_bytes))
+    return Evaluator(calibration.arrays, reference=model_outputs(float_bytes, calibration.arrays))
 
 
 def _from_onnx(options: BuildOptions, report: dict[str, Any]):

@@ -138,13 +138,7 @@ class Evaluator:
 
     def outputs(self, model_bytes: bytes) -> np.ndarray:
         """First output of the model for every sample."""
-        session = create_session(model_bytes)
-        count = next(iter(self.inputs.values())).shape[0]
-        parts = []
-        for start in range(0, count, self.batch_size):
-            feed = {name: array[start : start + self.batch_size] for name, array in self.inputs.items()}
-            parts.append(session.run(None, feed)[0])
-        return np.concatenate(parts, axis=0)
+        return model_outputs(model_bytes, self.inputs, self.batch_size)
 
     def score(self, outputs: np.ndarray) -> float:
         predicted = top1_classes(outputs)
@@ -153,6 +147,17 @@ class Evaluator:
 
     def __call__(self, model_bytes: bytes) -> float:
         return self.score(self.outputs(model_bytes))
+
+
+def model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_size: int = 128) -> np.ndarray:
+    """The model's first output for every sample of ``inputs``, run in batches."""
+    session = create_session(model_bytes)
+    count = next(iter(inputs.values())).shape[0]
+    parts = []
+    for start in range(0, count, batch_size):
+        feed = {name: array[start : start + batch_size] for name, array in inputs.items()}
+        parts.append(session.run(None, feed)[0])
+    return np.concatenate(parts, axis=0)
 
 
 def top1_classes(outputs: np.ndarray) -> np.ndarray:

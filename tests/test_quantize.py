@@ -15,6 +15,7 @@ from models.export import export_onnx  # noqa: E402
 from models.quantize import (  # noqa: E402
     Evaluator,
     QdqQuantizer,
+    model_outputs,
     QuantizeConfig,
     quantize_model,
     quantized_layers,
@@ -119,7 +120,7 @@ def test_mixed_precision_keeps_a_minimal_set_of_layers_out_of_int8(tmp_path):
     rng = np.random.default_rng(0)
     images = rng.standard_normal((128, 3, SIZE, SIZE)).astype(np.float32)
     float_bytes = export_onnx(model, torch.from_numpy(images[:2])).model_bytes
-    reference = Evaluator({"input": images}, reference=np.zeros((128, 1))).outputs(float_bytes)
+    reference = model_outputs(float_bytes, {"input": images})
     evaluator = Evaluator({"input": images}, reference=reference)
     config = QuantizeConfig(method="minmax", accuracy_budget=0.0, progress=False)
     result = quantize_model(float_bytes, from_array(images, "input", 128), evaluator, config, tmp_path)
