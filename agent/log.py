@@ -54,3 +54,11 @@ def configure_logging(verbosity: int = 0) -> None:
     for package in ("agent", "models", "pruning", "power"):
         logging.getLogger(package).setLevel(level)
     _configured = True
+
+
+def apply_level(level_name: str) -> None:
+    """Set the project's loggers to a level by name (the daemon's ``log.level`` setting)."""
+    level = logging.getLevelName(level_name.upper())
+    if isinstance(level, int):
+        for package in ("agent", "models", "pruning", "power"):
+            logging.getLogger(package).setLevel(level)

@@ -10,6 +10,7 @@ ResNet-18 at 224x224 (2 threads, ORT 1.32) disabling that one pass took INT8 fro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,15 @@ from agent.deps import require
 DISABLED_FOR_QDQ = ("CommonSubexpressionElimination",)
 
 
-def create_session(model: bytes | Path | str, *, threads: int = 2, profile: bool = False) -> Any:
-    """An ``onnxruntime.InferenceSession`` on the CPU provider with ``threads`` intra-op threads."""
+def create_session(
+    model: bytes | Path | str,
+    *,
+    threads: int = 2,
+    profile: bool = False,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+) -> Any:
+    """An ``onnxruntime.InferenceSession`` with ``threads`` intra-op threads (0 = ORT's default)
+    on the given execution providers (CPU by default)."""
     ort = require("onnxruntime", extra="device", purpose="running ONNX models")
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -31,6 +39,6 @@ def create_session(model: bytes | Path | str, *, threads: int = 2, profile: bool
     return ort.InferenceSession(
         source,
         options,
-        providers=["CPUExecutionProvider"],
+        providers=list(providers),
         disabled_optimizers=list(DISABLED_FOR_QDQ),
     )

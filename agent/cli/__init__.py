@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 SUBCOMMAND_MODULES = (
     "agent.cli.build",
     "agent.cli.bundle",
+    "agent.cli.serve",
+    "agent.cli.demo",
     "agent.cli.bench",
 )
 

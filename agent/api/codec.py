@@ -1,0 +1,284 @@
+"""Decoding and encoding KServe v2 inference bodies: JSON, the binary tensor extension and
+references to system shared memory regions (docs/reference/serving.md §2).
+
+Everything a client can get wrong raises :class:`RequestError` with a message that says what and
+where; the server answers it with a 4xx and keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from agent.backends.base import TensorInfo, datatype_of
+from agent.errors import InputError
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+class RequestError(InputError):
+    """A malformed or unacceptable inference request (HTTP 400 unless ``status`` says else)."""
+
+    def __init__(self, message: str, *, status: int = 400, **fields: Any) -> None:
+        super().__init__(message, **fields)
+        self.status = status
+
+
+class SharedMemory(Protocol):
+    """What the codec needs of the shared memory registry (agent/api/shm.py)."""
+
+    def view(self, name: str, offset: int, byte_size: int) -> memoryview: ...
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    name: str
+    binary: bool | None  # None: follow the request-level binary_data_output
+    shm_region: str | None = None
+    shm_offset: int = 0
+    shm_byte_size: int = 0
+
+
+@dataclass
+class InferRequest:
+    """A decoded request: input arrays (batch axis first, of the model's dtypes) and what to
+    return."""
+
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    outputs: list[OutputRequest]
+    binary_output: bool
+    priority: int | None = None
+    timeout_us: int | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def _json_object(text: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise RequestError("request body must be a JSON object", found=type(value).__name__)
+    return value
+
+
+def _int_param(parameters: Mapping[str, Any], key: str, where: str, *,
+               minimum: int = 0) -> int | None:
+    value = parameters.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RequestError(f"parameter '{key}' must be an integer >= {minimum}", where=where,
+                           found=value)
+    return value
+
+
+def _parameters(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    parameters = entry.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise RequestError("'parameters' must be a JSON object", where=where)
+    return parameters
+
+
+def decode_request(body: bytes, header_length: str | None, model_inputs: Sequence[TensorInfo],
+                   model_outputs: Sequence[TensorInfo], shm: SharedMemory | None) -> InferRequest:
+    """Decode and validate one ``/infer`` body against the model's inputs and outputs."""
+    if header_length is not None:
+        try:
+            json_length = int(header_length)
+        except ValueError:
+            raise RequestError(f"{HEADER_LENGTH} is not an integer", found=header_length) from None
+        if not 0 < json_length <= len(body):
+            raise RequestError(f"{HEADER_LENGTH} does not fit the body", found=json_length,
+                               body_bytes=len(body))
+        header, binary = body[:json_length], memoryview(body)[json_length:]
+    else:
+        header, binary = body, memoryview(b"")
+    document = _json_object(header)
+    request_parameters = _parameters(document, "request")
+    entries = document.get("inputs")
+    if not isinstance(entries, list) or not entries:
+        raise RequestError("request needs a non-empty 'inputs' list")
+
+    by_name = {info.name: info for info in model_inputs}
+    inputs: dict[str, np.ndarray] = {}
+    cursor = 0
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise RequestError("each input must be a JSON object", index=index)
+        name = entry.get("name")
+        info = by_name.get(name) if isinstance(name, str) else None
+        if info is None:
+            raise RequestError("unknown input", input=name, expected=sorted(by_name))
+        if name in inputs:
+            raise RequestError("input given twice", input=name)
+        array, used = _decode_input(entry, info, binary, cursor, shm)
+        cursor += used
+        inputs[name] = array
+    if cursor != len(binary):
+        raise RequestError("binary data does not match the inputs' binary_data_size",
+                           declared=cursor, received=len(binary))
+    missing = sorted(set(by_name) - set(inputs))
+    if missing:
+        raise RequestError("missing input", input=missing)
+
+    outputs = _decode_outputs(document.get("outputs"), model_outputs)
+    binary_output = request_parameters.get("binary_data_output", False)
+    if not isinstance(binary_output, bool):
+        raise RequestError("parameter 'binary_data_output' must be true or false",
+                           found=binary_output)
+    request_id = document.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise RequestError("'id' must be a string", found=request_id)
+    return InferRequest(
+        id=request_id,
+        inputs=inputs,
+        outputs=outputs,
+        binary_output=binary_output,
+        priority=_int_param(request_parameters, "priority", "request"),
+        timeout_us=_int_param(request_parameters, "timeout", "request"),
+        parameters=request_parameters,
+    )
+
+
+def _decode_input(entry: Mapping[str, Any], info: TensorInfo, binary: memoryview, cursor: int,
+                  shm: SharedMemory | None) -> tuple[np.ndarray, int]:
+    """One input's array and how many binary bytes it used."""
+    name = info.name
+    datatype = entry.get("datatype")
+    if datatype != info.datatype:
+        raise RequestError("wrong datatype", input=name, expected=info.datatype, found=datatype)
+    shape = entry.get("shape")
+    if (not isinstance(shape, list) or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise RequestError("'shape' must be a list of non-negative integers", input=name,
+                           found=shape)
+    if shape[0] < 1:
+        raise RequestError("batch axis must be >= 1", input=name, found=shape)
+    try:
+        info.check_sample_shape(tuple(shape[1:]))
+    except InputError as exc:
+        raise RequestError(exc.message, **exc.fields) from None
+    dtype = info.dtype
+    count = int(np.prod(shape, dtype=np.int64))
+    byte_size = count * dtype.itemsize
+    parameters = _parameters(entry, f"input {name}")
+    region = parameters.get("shared_memory_region")
+    binary_size = _int_param(parameters, "binary_data_size", f"input {name}")
+    has_data = "data" in entry
+
+    if region is not None:
+        if has_data or binary_size is not None:
+            raise RequestError("an input in shared memory must not also carry data", input=name)
+        if shm is None:
+            raise RequestError("shared memory is not enabled", input=name)
+        region_size = _int_param(parameters, "shared_memory_byte_size", f"input {name}")
+        offset = _int_param(parameters, "shared_memory_offset", f"input {name}") or 0
+        if region_size is None:
+            raise RequestError("'shared_memory_byte_size' is required", input=name)
+        if region_size != byte_size:
+            raise RequestError("shared_memory_byte_size does not match the shape and datatype",
+                               input=name, expected=byte_size, found=region_size)
+        view = shm.view(str(region), offset, byte_size)
+        return np.frombuffer(view, dtype=dtype, count=count).reshape(shape), 0
+
+    if binary_size is not None:
+        if has_data:
+            raise RequestError("an input cannot have both 'data' and binary_data_size", input=name)
+        if binary_size != byte_size:
+            raise RequestError("binary_data_size does not match the shape and datatype",
+                               input=name, expected=byte_size, found=binary_size)
+        if cursor + binary_size > len(binary):
+            raise RequestError("binary data is shorter than binary_data_size says", input=name,
+                               needed=cursor + binary_size, received=len(binary))
+        chunk = binary[cursor:cursor + binary_size]
+        return np.frombuffer(chunk, dtype=dtype.newbyteorder("<"), count=count).reshape(shape), \
+            binary_size
+
+    if not has_data:
+        raise RequestError("input has no data, binary_data_size or shared memory region",
+                           input=name)
+    try:
+        array = np.asarray(entry["data"], dtype=dtype)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise RequestError(f"'data' cannot be read as {info.datatype}: {exc}", input=name) from None
+    if array.size != count:
+        raise RequestError("'data' has the wrong number of elements for 'shape'", input=name,
+                           expected=count, found=int(array.size))
+    return array.reshape(shape), 0
+
+
+def _decode_outputs(entries: Any, model_outputs: Sequence[TensorInfo]) -> list[OutputRequest]:
+    names = [info.name for info in model_outputs]
+    if entries is None:
+        return [OutputRequest(name, None) for name in names]
+    if not isinstance(entries, list):
+        raise RequestError("'outputs' must be a list")
+    result: list[OutputRequest] = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise RequestError("each requested output needs a 'name'", index=index)
+        name = entry["name"]
+        if name not in names:
+            raise RequestError("unknown output", output=name, expected=names)
+        parameters = _parameters(entry, f"output {name}")
+        binary = parameters.get("binary_data")
+        if binary is not None and not isinstance(binary, bool):
+            raise RequestError("parameter 'binary_data' must be true or false", output=name)
+        region = parameters.get("shared_memory_region")
+        if region is not None:
+            size = _int_param(parameters, "shared_memory_byte_size", f"output {name}")
+            if size is None:
+                raise RequestError("'shared_memory_byte_size' is required", output=name)
+            offset = _int_param(parameters, "shared_memory_offset", f"output {name}") or 0
+            result.append(OutputRequest(name, binary, str(region), offset, size))
+        else:
+            result.append(OutputRequest(name, binary))
+    return result
+
+
+class WritableSharedMemory(SharedMemory, Protocol):
+    def write(self, name: str, offset: int, data: np.ndarray) -> None: ...
+
+
+def encode_response(request: InferRequest, outputs: Mapping[str, np.ndarray], *, model_name: str,
+                    model_version: str, shm: WritableSharedMemory | None
+                    ) -> tuple[bytes, dict[str, str]]:
+    """The response body and headers for one request's outputs."""
+    header_outputs: list[dict[str, Any]] = []
+    chunks: list[bytes | memoryview] = []
+    for wanted in request.outputs:
+        array = np.ascontiguousarray(outputs[wanted.name])
+        entry: dict[str, Any] = {"name": wanted.name, "datatype": datatype_of(array.dtype),
+                                 "shape": list(array.shape)}
+        if wanted.shm_region is not None:
+            if array.nbytes > wanted.shm_byte_size:
+                raise RequestError("output does not fit its shared memory region",
+                                   output=wanted.name, needed=array.nbytes,
+                                   found=wanted.shm_byte_size)
+            if shm is None:
+                raise RequestError("shared memory is not enabled", output=wanted.name)
+            shm.write(wanted.shm_region, wanted.shm_offset, array)
+            entry["parameters"] = {"shared_memory_region": wanted.shm_region,
+                                   "shared_memory_byte_size": array.nbytes}
+        elif wanted.binary if wanted.binary is not None else request.binary_output:
+            entry["parameters"] = {"binary_data_size": array.nbytes}
+            chunks.append(memoryview(array.astype(array.dtype.newbyteorder("<"), copy=False))
+                          .cast("B"))
+        else:
+            entry["data"] = array.ravel().tolist()
+        header_outputs.append(entry)
+    document: dict[str, Any] = {"model_name": model_name, "model_version": model_version,
+                                "outputs": header_outputs}
+    if request.id is not None:
+        document["id"] = request.id
+    header = json.dumps(document, separators=(",", ":")).encode()
+    if not chunks:
+        return header, {"Content-Type": "application/json"}
+    body = b"".join([header, *chunks])
+    return body, {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}

@@ -1,0 +1,270 @@
+"""The HTTP server: KServe v2 endpoints on aiohttp, as Triton implements them.
+
+Endpoints (docs/reference/serving.md §2): health, server and model metadata, model readiness and
+configuration, ``infer`` (JSON and the binary tensor extension both ways), the statistics and model
+repository index extensions, system shared memory (register, status, unregister) and Prometheus
+text at ``/metrics``. Errors are ``{"error": "..."}`` with 4xx for bad input and 503 when the queue
+is full or the model is not ready. An optional bearer token protects everything but the health
+probes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from agent import __version__
+from agent.api.codec import HEADER_LENGTH, RequestError, decode_request, encode_response
+from agent.api.shm import SystemSharedMemory
+from agent.batcher import DeadlineExceeded, NotServing, QueueFull
+from agent.errors import AgentError, InputError
+from agent.metrics import CONTENT_TYPE_LATEST
+from agent.serving import ModelService
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS = ["binary_tensor_data", "system_shared_memory", "model_repository", "statistics"]
+_OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _status_of(exc: AgentError) -> int:
+    if isinstance(exc, RequestError):
+        return exc.status
+    if isinstance(exc, QueueFull | NotServing | DeadlineExceeded):
+        return 503
+    if isinstance(exc, InputError):
+        return 400
+    return 500
+
+
+class InferenceServer:
+    """Serves the models in ``services`` (name -> service; the mapping may change while running,
+    which is how a later blue-green swap replaces a model)."""
+
+    def __init__(self, services: MutableMapping[str, ModelService], *, host: str = "127.0.0.1",
+                 port: int = 8000, token: str | None = None, max_body_bytes: int = 64 << 20,
+                 metrics_render: Callable[[], bytes] | None = None,
+                 shm_root: Path = Path("/dev/shm"), access_log: bool = False) -> None:
+        self.services = services
+        self.host = host
+        self.port = port
+        self._token = token.encode() if token else None
+        self._metrics_render = metrics_render
+        self.shm = SystemSharedMemory(shm_root)
+        self._access_log = access_log
+        self._runner: web.AppRunner | None = None
+        self.app = web.Application(client_max_size=max_body_bytes,
+                                   middlewares=[self._errors, self._auth])
+        self._routes()
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Start listening; returns the bound port (useful with port 0)."""
+        self._runner = web.AppRunner(self.app, access_log=log if self._access_log else None,
+                                     handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise AgentError("cannot listen for HTTP", host=self.host, port=self.port,
+                             reason=exc.strerror or str(exc)) from None
+        server = site._server  # aiohttp keeps the asyncio server here; no public accessor
+        sockets = getattr(server, "sockets", None) or []
+        if sockets:
+            self.port = int(sockets[0].getsockname()[1])
+        log.info("serving KServe v2 on http://%s:%d", self.host, self.port)
+        return self.port
+
+    async def stop(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
+        """Stop: models stop taking requests (503), queued and running ones finish (with
+        ``drain``), then the listener closes."""
+        await asyncio.gather(*(service.stop(drain=drain, timeout_s=timeout_s)
+                               for service in list(self.services.values())))
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self.shm.close()
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except AgentError as exc:
+            status = _status_of(exc)
+            if status >= 500 and status != 503:
+                log.error("request %s %s failed: %s", request.method, request.path, exc)
+            return _error(status, str(exc))
+        except web.HTTPRequestEntityTooLarge as exc:
+            return _error(413, f"request body too large: {exc.text}")
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error(exc.status, exc.reason)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self._token is not None and request.path not in _OPEN_PATHS:
+            supplied = request.headers.get("Authorization", "")
+            scheme, _, credential = supplied.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(),
+                                                                     self._token):
+                return web.json_response({"error": "missing or wrong bearer token"}, status=401,
+                                         headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    def _routes(self) -> None:
+        add = self.app.router.add_route
+        add("GET", "/v2/health/live", self._live)
+        add("GET", "/v2/health/ready", self._ready)
+        add("GET", "/v2", self._server_metadata)
+        add("POST", "/v2/repository/index", self._repository_index)
+        add("GET", "/v2/models/stats", self._all_stats)
+        for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            add("GET", prefix, self._model_metadata)
+            add("GET", prefix + "/ready", self._model_ready)
+            add("GET", prefix + "/config", self._model_config)
+            add("GET", prefix + "/stats", self._model_stats)
+            add("POST", prefix + "/infer", self._infer)
+        add("GET", "/v2/systemsharedmemory/status", self._shm_status)
+        add("GET", "/v2/systemsharedmemory/region/{name}/status", self._shm_status)
+        add("POST", "/v2/systemsharedmemory/region/{name}/register", self._shm_register)
+        add("POST", "/v2/systemsharedmemory/unregister", self._shm_unregister)
+        add("POST", "/v2/systemsharedmemory/region/{name}/unregister", self._shm_unregister)
+        add("GET", "/metrics", self._metrics)
+
+    def _service(self, request: web.Request) -> ModelService:
+        name = request.match_info["model"]
+        service = self.services.get(name)
+        if service is None:
+            raise RequestError("unknown model", status=404, model=name,
+                               available=sorted(self.services))
+        version = request.match_info.get("version")
+        if version not in (None, "", str(service.version)):
+            raise RequestError("model version is not served", status=404, model=name,
+                               version=version, served=service.version)
+        return service
+
+    @staticmethod
+    async def _json_body(request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw.strip():
+            return {}
+        try:
+            value = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise RequestError("request body must be a JSON object")
+        return value
+
+    # -- health and metadata ------------------------------------------------------------
+
+    async def _live(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        ready = bool(self.services) and all(s.ready for s in self.services.values())
+        return web.Response(status=200 if ready else 400)
+
+    async def _server_metadata(self, request: web.Request) -> web.Response:
+        return web.json_response({"name": "edge-agent", "version": __version__,
+                                  "extensions": EXTENSIONS})
+
+    async def _model_metadata(self, request: web.Request) -> web.Response:
+        return web.json_response(self._service(request).metadata())
+
+    async def _model_ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self._service(request).ready else 400)
+
+    async def _model_config(self, request: web.Request) -> web.Response:
+        return web.json_response(self._service(request).config())
+
+    async def _model_stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_stats": [self._service(request).stats()]})
+
+    async def _all_stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_stats": [s.stats() for s in self.services.values()]})
+
+    async def _repository_index(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        only_ready = body.get("ready", False)
+        entries = []
+        for service in self.services.values():
+            if only_ready and not service.ready:
+                continue
+            entries.append({"name": service.name, "version": str(service.version),
+                            "state": "READY" if service.ready else "UNAVAILABLE",
+                            "reason": "" if service.ready else "not ready"})
+        return web.json_response(entries)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self._metrics_render is not None:
+            body = self._metrics_render()
+        else:
+            body = b"".join(s.metrics.render() for s in self.services.values())
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -- inference ----------------------------------------------------------------------
+
+    async def _infer(self, request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        service = self._service(request)
+        metrics = service.metrics
+        if not service.ready:
+            metrics.request_rejected("rejected")
+            raise NotServing("model is not ready", model=service.name)
+        body = await request.read()
+        metrics.inflight(1)
+        try:
+            try:
+                decoded = decode_request(body, request.headers.get(HEADER_LENGTH), service.inputs,
+                                         service.outputs, self.shm)
+                future = service.batcher.submit(decoded.inputs, priority=decoded.priority,
+                                                timeout_us=decoded.timeout_us)
+            except (RequestError, InputError):
+                metrics.request_rejected("invalid")
+                raise
+            except (QueueFull, NotServing):
+                metrics.request_rejected("rejected")
+                raise
+            result = await future
+            payload, headers = encode_response(decoded, result.outputs, model_name=service.name,
+                                               model_version=str(service.version), shm=self.shm)
+        finally:
+            metrics.inflight(-1)
+        metrics.observe_request(time.perf_counter() - started)
+        return web.Response(body=payload, headers=headers)
+
+    # -- system shared memory -----------------------------------------------------------
+
+    async def _shm_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.shm.status(request.match_info.get("name")))
+
+    async def _shm_register(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        self.shm.register(request.match_info["name"], body.get("key"), body.get("offset", 0),
+                          body.get("byte_size"))
+        return web.Response(status=200)
+
+    async def _shm_unregister(self, request: web.Request) -> web.Response:
+        self.shm.unregister(request.match_info.get("name"))
+        return web.Response(status=200)

@@ -1,0 +1,215 @@
+"""The ONNX Runtime backend: the reference backend on any CPU, and on GPUs through ORT's CUDA or
+TensorRT execution providers when the installed build has them.
+
+Batches run through I/O binding: inputs are bound to this instance's preallocated host buffers (the
+batcher copies each request straight into them) and outputs with a static per-sample shape are
+bound to preallocated buffers too, so no batch is copied twice. Each buffer set is one flat byte
+array per tensor that grows to the largest batch seen and is reused afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from agent.backends.base import (
+    Backend,
+    BackendOptions,
+    ModelArtifacts,
+    SlotPool,
+    StagedBatch,
+    TensorInfo,
+    datatype_of,
+)
+from agent.deps import require
+from agent.errors import InternalError, ModelError
+
+log = logging.getLogger(__name__)
+
+# ORT's type strings for the element types a vision model uses.
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(uint8)": np.uint8,
+    "tensor(int8)": np.int8,
+    "tensor(int32)": np.int32,
+    "tensor(int64)": np.int64,
+    "tensor(bool)": np.bool_,
+}
+# Preferred order when the build offers them; CPU is always last and always there.
+_GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+
+
+def _tensor_info(node: Any) -> TensorInfo:
+    dtype = _ORT_TYPES.get(node.type)
+    if dtype is None:
+        raise ModelError("unsupported tensor element type", tensor=node.name, found=node.type)
+    shape = tuple(dim if isinstance(dim, int) and dim > 0 else -1 for dim in node.shape)
+    if not shape or shape[0] != -1:
+        raise ModelError("the model needs a dynamic batch axis first", tensor=node.name,
+                         found=list(node.shape))
+    return TensorInfo(node.name, datatype_of(np.dtype(dtype)), shape)
+
+
+def choose_providers(available: Sequence[str], wanted: Sequence[str] | None) -> list[str]:
+    """Execution providers to ask for: ``wanted`` (checked against ``available``) or the best
+    available GPU provider followed by the CPU."""
+    if wanted:
+        missing = [name for name in wanted if name not in available]
+        if missing:
+            raise ModelError("execution provider not in this ONNX Runtime build", found=missing,
+                             available=list(available))
+        return list(wanted)
+    return [name for name in _GPU_PROVIDERS if name in available] + ["CPUExecutionProvider"]
+
+
+class _BufferSet:
+    """One batch's worth of input and output buffers (flat bytes, grown on demand)."""
+
+    def __init__(self) -> None:
+        self.storage: dict[str, np.ndarray] = {}
+
+    def view(self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        buffer = self.storage.get(name)
+        if buffer is None or buffer.nbytes < nbytes:
+            # 64-byte alignment suits the vector kernels; grown buffers replace the old ones only
+            # between batches (a staged batch holds its own slot).
+            raw = np.empty(nbytes + 64, dtype=np.uint8)
+            offset = (-raw.ctypes.data) % 64
+            buffer = raw[offset:offset + nbytes]
+            self.storage[name] = buffer
+        return buffer[:nbytes].view(dtype).reshape(shape)
+
+
+class OnnxRuntimeBackend(Backend):
+    """One ONNX Runtime session with its buffer sets.
+
+    ``options.extra``: ``providers`` (a list of ORT execution provider names) to override the
+    automatic choice.
+    """
+
+    kind = "onnxruntime"
+
+    def __init__(self, artifacts: ModelArtifacts, options: BackendOptions) -> None:
+        super().__init__(artifacts, options)
+        self._session: Any = None  # owned: created in activate, dropped in deactivate
+        self._bindings: list[Any] = []  # one IOBinding per buffer set
+        self._buffers: list[_BufferSet] = []
+        self._staged_shapes: dict[int, tuple[int, dict[str, tuple[int, ...]]]] = {}
+        self._slots = SlotPool(options.buffer_sets)
+        self._lock = threading.Lock()
+        self._inputs: tuple[TensorInfo, ...] = ()
+        self._outputs: tuple[TensorInfo, ...] = ()
+        self._providers: list[str] = []
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def activate(self) -> None:
+        if self._active:
+            return
+        ort = require("onnxruntime", extra="device", purpose="the ONNX Runtime backend")
+        from models.ort import create_session
+
+        path = self.artifacts.onnx_path
+        if not path.is_file():
+            raise ModelError("model file missing", path=path)
+        self._providers = choose_providers(ort.get_available_providers(),
+                                           self.options.extra.get("providers"))
+        try:
+            session = create_session(path, threads=self.options.threads, providers=self._providers)
+        except Exception as exc:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
+            raise ModelError(f"ONNX Runtime cannot load the model: {exc}", path=path) from exc
+        try:
+            self._inputs = tuple(_tensor_info(node) for node in session.get_inputs())
+            self._outputs = tuple(_tensor_info(node) for node in session.get_outputs())
+        except ModelError as exc:
+            raise ModelError(exc.message, path=path, **exc.fields) from None
+        self._session = session
+        self._bindings = [session.io_binding() for _ in range(self.options.buffer_sets)]
+        self._buffers = [_BufferSet() for _ in range(self.options.buffer_sets)]
+        self._active = True
+        log.info("onnxruntime backend active: %s v%d on %s, %d thread(s)", self.artifacts.name,
+                 self.artifacts.version, ",".join(self._providers), self.options.threads)
+
+    def deactivate(self) -> None:
+        self._active = False
+        for binding in self._bindings:
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+        self._bindings = []
+        self._buffers = []
+        self._staged_shapes.clear()
+        self._session = None
+
+    # -- description --------------------------------------------------------------------
+
+    @property
+    def inputs(self) -> tuple[TensorInfo, ...]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> tuple[TensorInfo, ...]:
+        return self._outputs
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.kind, "providers": list(self._providers),
+                "threads": self.options.threads}
+
+    # -- inference ----------------------------------------------------------------------
+
+    def stage(self, batch_size: int, sample_shapes: Mapping[str, tuple[int, ...]]) -> StagedBatch:
+        self.check_stage_request(batch_size, sample_shapes)
+        slot = self._slots.acquire()
+        buffers = self._buffers[slot]
+        inputs = {
+            info.name: buffers.view(info.name, info.dtype,
+                                    (batch_size, *sample_shapes[info.name]))
+            for info in self._inputs
+        }
+        with self._lock:
+            self._staged_shapes[slot] = (batch_size, {k: tuple(v) for k, v in sample_shapes.items()})
+        return StagedBatch(batch_size, inputs, slot, self._release)
+
+    def _release(self, slot: int) -> None:
+        with self._lock:
+            self._staged_shapes.pop(slot, None)
+        self._slots.release(slot)
+
+    def run(self, batch: StagedBatch) -> dict[str, np.ndarray]:
+        self._require_active()
+        with self._lock:
+            staged = self._staged_shapes.get(batch.slot)
+        if staged is None or staged[0] != batch.batch_size:
+            raise InternalError("run() on a batch that is not staged on this backend")
+        binding = self._bindings[batch.slot]
+        buffers = self._buffers[batch.slot]
+        for info in self._inputs:
+            array = batch.inputs[info.name]
+            binding.bind_input(info.name, "cpu", 0, array.dtype, list(array.shape),
+                               array.ctypes.data)
+        preallocated: dict[str, np.ndarray] = {}
+        for info in self._outputs:
+            if -1 in info.sample_shape:
+                binding.bind_output(info.name, "cpu")  # ORT allocates: shape known only after run
+            else:
+                out = buffers.view("out:" + info.name, info.dtype,
+                                   (batch.batch_size, *info.sample_shape))
+                binding.bind_output(info.name, "cpu", 0, out.dtype, list(out.shape),
+                                    out.ctypes.data)
+                preallocated[info.name] = out
+        self._session.run_with_iobinding(binding)
+        if len(preallocated) == len(self._outputs):
+            return preallocated
+        produced = binding.get_outputs()
+        results: dict[str, np.ndarray] = {}
+        for info, value in zip(self._outputs, produced):
+            results[info.name] = preallocated.get(info.name)
+            if results[info.name] is None:
+                results[info.name] = value.numpy()
+        return results

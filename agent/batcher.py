@@ -1,0 +1,510 @@
+"""The dynamic batcher: queues requests and runs them in batches on the backend instances.
+
+It lives on the HTTP server's asyncio loop; each backend instance has two worker threads, one that
+copies a formed batch into the instance's staged buffers and one that runs it, so a full batch is
+assembled while the previous one computes.
+
+When a batch goes (Triton's rules, see docs/reference/serving.md §1):
+
+* An idle instance takes requests as soon as they make a full batch (``max_batch_size``) or reach a
+  preferred size (the largest that fits is sent), or when the oldest request has waited
+  ``max_queue_delay_us``.
+* While every instance is busy, the pending batch keeps growing; only a full batch is staged ahead
+  into an instance's spare buffer set, so nothing is cut short just because an instance was busy.
+* Requests are taken by priority (1 is the highest), first come first served within a level, and a
+  batch only joins requests whose per-sample shapes match (one bundle serves several frame sizes).
+* A request whose deadline passes while queued is answered with :class:`DeadlineExceeded`; a full
+  queue rejects new requests at once with :class:`QueueFull` (the API answers 503).
+* A failed batch fails only its own requests, each with the error.
+
+Load signals for the power governor (a later issue) come from :meth:`Batcher.load`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from agent.backends.base import Backend
+from agent.errors import AgentError, ConfigError, InputError
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(AgentError):
+    """The request queue is at its limit (HTTP 503)."""
+
+
+class DeadlineExceeded(AgentError):
+    """A request's timeout passed before it ran."""
+
+
+class NotServing(AgentError):
+    """The batcher is stopped or stopping (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """Batching settings for one model (``[serving]`` in the configuration)."""
+
+    max_batch_size: int = 32
+    max_queue_delay_us: int = 5000
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_size: int = 256  # 0 = unlimited
+    default_timeout_us: int = 0  # 0 = none
+    priority_levels: int = 2
+    default_priority_level: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError("must be >= 1", key="serving.max_batch_size", found=self.max_batch_size)
+        if self.max_queue_delay_us < 0:
+            raise ConfigError("must be >= 0", key="serving.max_queue_delay_us",
+                              found=self.max_queue_delay_us)
+        bad = [size for size in self.preferred_batch_sizes if not 1 <= size <= self.max_batch_size]
+        if bad:
+            raise ConfigError("preferred batch sizes must be within 1..max_batch_size",
+                              key="serving.preferred_batch_sizes", found=bad)
+        if not 1 <= self.default_priority_level <= self.priority_levels:
+            raise ConfigError("must be within 1..priority_levels",
+                              key="serving.default_priority_level",
+                              found=self.default_priority_level)
+
+
+@dataclass(frozen=True)
+class InferenceResult:
+    """One request's outputs (owned arrays) and where its time went."""
+
+    outputs: dict[str, np.ndarray]
+    queue_s: float
+    compute_s: float
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """What the power governor watches."""
+
+    queue_depth: int
+    busy_instances: int
+    instances: int
+    arrivals_total: int
+    completed_total: int
+    batches_total: int
+    mean_batch_compute_s: float  # recent (exponentially weighted)
+
+
+class BatchObserver(Protocol):
+    """Receives what the metrics need; every call happens on the event loop."""
+
+    def request_done(self, outcome: str, *, queue_s: float, compute_s: float,
+                     total_s: float) -> None: ...
+
+    def batch_done(self, batch_size: int, compute_s: float) -> None: ...
+
+    def queue_depth(self, depth: int) -> None: ...
+
+
+@dataclass(eq=False)
+class _Request:
+    inputs: Mapping[str, np.ndarray]
+    batch_size: int
+    shape_key: tuple[tuple[str, tuple[int, ...]], ...]
+    priority: int
+    arrival: float
+    deadline: float | None
+    future: asyncio.Future[InferenceResult]
+    sequence: int = 0
+
+
+@dataclass(eq=False)
+class _Instance:
+    backend: Backend
+    index: int
+    stage_pool: ThreadPoolExecutor
+    run_pool: ThreadPoolExecutor
+    outstanding: int = 0  # batches staged or running
+    running: bool = False
+    retired: bool = False
+
+
+@dataclass
+class _Counters:
+    arrivals: int = 0
+    completed: int = 0
+    batches: int = 0
+    compute_ewma_s: float = 0.0
+    per_outcome: dict[str, int] = field(default_factory=collections.Counter)
+
+
+class Batcher:
+    """Batches requests for one model over its backend instances (all active already)."""
+
+    def __init__(self, instances: Sequence[Backend], policy: BatchPolicy, *,
+                 observer: BatchObserver | None = None, buffer_sets: int = 2) -> None:
+        if not instances:
+            raise ConfigError("at least one backend instance is needed", key="serving.instances")
+        self.policy = policy
+        self._observer = observer
+        self._buffer_sets = buffer_sets
+        self._instances = [self._wrap(backend) for backend in instances]
+        self._queues: list[collections.deque[_Request]] = [
+            collections.deque() for _ in range(policy.priority_levels)
+        ]
+        self._queued = 0
+        self._sequence = itertools.count()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._batches: set[asyncio.Task[None]] = set()
+        self._accepting = False
+        self._counters = _Counters()
+
+    def _wrap(self, backend: Backend) -> _Instance:
+        index = next(_instance_numbers)
+        return _Instance(
+            backend, index,
+            ThreadPoolExecutor(1, thread_name_prefix=f"stage-{index}"),
+            ThreadPoolExecutor(1, thread_name_prefix=f"run-{index}"),
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def max_batch_size(self) -> int:
+        return min(self.policy.max_batch_size,
+                   *(instance.backend.max_batch_size for instance in self._instances))
+
+    @property
+    def backends(self) -> list[Backend]:
+        return [instance.backend for instance in self._instances]
+
+    def start(self) -> None:
+        """Start scheduling (call from the event loop)."""
+        self._wakeup = asyncio.Event()
+        self._accepting = True
+        self._task = asyncio.get_running_loop().create_task(self._schedule(), name="batcher")
+
+    async def stop(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
+        """Stop accepting requests; with ``drain`` finish every queued and running request
+        first, else fail the queued ones with NotServing. Worker threads are shut down; the
+        backends stay active (their owner deactivates them)."""
+        self._accepting = False
+        if not drain:
+            self._fail_queued(NotServing("server is shutting down"))
+        self._poke()
+        deadline = time.monotonic() + timeout_s
+        while (self._queued or self._batches) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            self._poke()
+        self._fail_queued(NotServing("server shut down before the request ran"))
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for instance in self._instances:
+            instance.stage_pool.shutdown(wait=True)
+            instance.run_pool.shutdown(wait=True)
+
+    async def replace_backends(self, backends: Sequence[Backend]) -> list[Backend]:
+        """Swap in new (active) backend instances; new batches go to them at once and the old
+        instances finish their in-flight batches. Returns the old backends once drained, for the
+        caller to deactivate (the blue-green swap of a later issue builds on this)."""
+        old = self._instances
+        for instance in old:
+            instance.retired = True
+        self._instances = [self._wrap(backend) for backend in backends]
+        self._poke()
+        while any(instance.outstanding for instance in old):
+            await asyncio.sleep(0.002)
+        for instance in old:
+            instance.stage_pool.shutdown(wait=True)
+            instance.run_pool.shutdown(wait=True)
+        return [instance.backend for instance in old]
+
+    # -- submission ---------------------------------------------------------------------
+
+    def submit(self, inputs: Mapping[str, np.ndarray], *, priority: int | None = None,
+               timeout_us: int | None = None) -> asyncio.Future[InferenceResult]:
+        """Queue one request (arrays with the batch axis first, already of the model's dtypes).
+
+        Raises:
+            NotServing: the batcher is not running.
+            QueueFull: ``max_queue_size`` requests are already waiting.
+            InputError: bad priority, or more samples than the maximum batch.
+        """
+        if not self._accepting:
+            raise NotServing("server is not accepting requests")
+        policy = self.policy
+        level = policy.default_priority_level if priority in (None, 0) else int(priority)
+        if not 1 <= level <= policy.priority_levels:
+            raise InputError("priority out of range", expected=f"1..{policy.priority_levels}",
+                             found=priority)
+        sizes = {int(array.shape[0]) for array in inputs.values()}
+        if len(sizes) != 1:
+            raise InputError("inputs disagree on the batch size", found=sorted(sizes))
+        batch_size = sizes.pop()
+        if not 1 <= batch_size <= self.max_batch_size:
+            raise InputError("request batch size out of range", found=batch_size,
+                             maximum=self.max_batch_size)
+        if policy.max_queue_size and self._queued >= policy.max_queue_size:
+            self._count("rejected")
+            raise QueueFull("request queue is full", limit=policy.max_queue_size)
+        now = time.monotonic()
+        timeout = policy.default_timeout_us if timeout_us in (None, 0) else int(timeout_us or 0)
+        if timeout < 0:
+            raise InputError("timeout must be >= 0 microseconds", found=timeout_us)
+        future: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
+        request = _Request(
+            inputs=inputs, batch_size=batch_size,
+            shape_key=tuple(sorted((name, tuple(array.shape[1:])) for name, array in inputs.items())),
+            priority=level, arrival=now, deadline=now + timeout / 1e6 if timeout else None,
+            future=future, sequence=next(self._sequence),
+        )
+        self._queues[level - 1].append(request)
+        self._queued += 1
+        self._counters.arrivals += 1
+        self._report_depth()
+        self._poke()
+        return future
+
+    def load(self) -> LoadSnapshot:
+        return LoadSnapshot(
+            queue_depth=self._queued,
+            busy_instances=sum(1 for instance in self._instances if instance.running),
+            instances=len(self._instances),
+            arrivals_total=self._counters.arrivals,
+            completed_total=self._counters.completed,
+            batches_total=self._counters.batches,
+            mean_batch_compute_s=self._counters.compute_ewma_s,
+        )
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    # -- scheduling ---------------------------------------------------------------------
+
+    def _poke(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _schedule(self) -> None:
+        assert self._wakeup is not None  # start() sets it; not input validation
+        while True:
+            self._wakeup.clear()
+            wait_s = self._dispatch_ready()
+            if wait_s is None:
+                await self._wakeup.wait()
+            else:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=max(wait_s, 0.0))
+
+    def _dispatch_ready(self) -> float | None:
+        """Send every batch that may go now; return how long until something may change by
+        itself (a delay or deadline expiring), or None to wait for an event."""
+        while True:
+            now = time.monotonic()
+            self._expire(now)
+            if not self._queued:
+                return None
+            batch, total = self._candidate()
+            oldest = min(batch, key=lambda request: request.arrival)
+            full = total >= self.max_batch_size
+            idle = next((i for i in self._instances if not i.retired and i.outstanding == 0), None)
+            if idle is not None:
+                due = oldest.arrival + self.policy.max_queue_delay_us / 1e6
+                if full or now >= due or not self._accepting:
+                    self._launch(idle, batch)
+                    continue
+                preferred = [size for size in self.policy.preferred_batch_sizes if size <= total]
+                if preferred:
+                    self._launch(idle, self._trim(batch, max(preferred)))
+                    continue
+                return self._until_next_deadline(due - now, now)
+            spare = next((i for i in self._instances
+                          if not i.retired and i.outstanding < self._buffer_sets), None)
+            if spare is not None and full:
+                self._launch(spare, batch)
+                continue
+            return self._until_next_deadline(None, now)
+
+    def _until_next_deadline(self, wait_s: float | None, now: float) -> float | None:
+        deadlines = [request.deadline for queue in self._queues for request in queue
+                     if request.deadline is not None]
+        if deadlines:
+            until = min(deadlines) - now
+            wait_s = until if wait_s is None else min(wait_s, until)
+        return wait_s
+
+    def _candidate(self) -> tuple[list[_Request], int]:
+        """The next batch: the first request by priority and arrival, then every compatible
+        request in the same order until the batch is full."""
+        ordered = (request for queue in self._queues for request in queue)
+        first = next(ordered)
+        batch, total = [first], first.batch_size
+        for request in ordered:
+            if total >= self.max_batch_size:
+                break
+            if request.shape_key == first.shape_key and total + request.batch_size <= self.max_batch_size:
+                batch.append(request)
+                total += request.batch_size
+        return batch, total
+
+    @staticmethod
+    def _trim(batch: list[_Request], size: int) -> list[_Request]:
+        kept, total = [], 0
+        for request in batch:
+            if total + request.batch_size > size:
+                break
+            kept.append(request)
+            total += request.batch_size
+        return kept or batch[:1]
+
+    def _expire(self, now: float) -> None:
+        """Answer queued requests whose deadline passed; drop those whose client gave up."""
+        for queue in self._queues:
+            if not any(r.future.done() or (r.deadline is not None and r.deadline <= now)
+                       for r in queue):
+                continue
+            kept: collections.deque[_Request] = collections.deque()
+            for request in queue:
+                if request.future.done():  # cancelled: the HTTP client went away
+                    self._queued -= 1
+                    self._count("cancelled")
+                elif request.deadline is not None and request.deadline <= now:
+                    self._queued -= 1
+                    self._finish(request, "timeout", error=DeadlineExceeded(
+                        "request timed out in the queue",
+                        waited_ms=round((now - request.arrival) * 1e3, 3)))
+                else:
+                    kept.append(request)
+            queue.clear()
+            queue.extend(kept)
+        self._report_depth()
+
+    def _fail_queued(self, error: AgentError) -> None:
+        for queue in self._queues:
+            while queue:
+                self._queued -= 1
+                self._finish(queue.popleft(), "rejected", error=error)
+        self._report_depth()
+
+    def _launch(self, instance: _Instance, batch: list[_Request]) -> None:
+        chosen = set(map(id, batch))
+        for queue in self._queues:
+            if any(id(request) in chosen for request in queue):
+                remaining = [request for request in queue if id(request) not in chosen]
+                queue.clear()
+                queue.extend(remaining)
+        self._queued -= len(batch)
+        self._report_depth()
+        instance.outstanding += 1
+        task = asyncio.get_running_loop().create_task(self._execute(instance, batch))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _execute(self, instance: _Instance, batch: list[_Request]) -> None:
+        loop = asyncio.get_running_loop()
+        dispatched = time.monotonic()
+        staged = None
+        try:
+            staged = await loop.run_in_executor(instance.stage_pool, _stage, instance.backend, batch)
+            instance.running = True
+            started = time.monotonic()
+            outputs = await loop.run_in_executor(instance.run_pool, _run_and_split,
+                                                 instance.backend, staged, batch)
+            compute_s = time.monotonic() - started
+        except Exception as exc:  # the batch's requests get the error, not the loop
+            error = exc if isinstance(exc, AgentError) else AgentError(
+                f"inference failed: {type(exc).__name__}: {exc}")
+            if not isinstance(exc, AgentError):
+                log.error("batch of %d failed on instance %d", len(batch), instance.index,
+                          exc_info=exc)
+            for request in batch:
+                self._finish(request, "failure", error=error)
+            return
+        finally:
+            if staged is not None:
+                staged.release()
+            instance.running = False
+            instance.outstanding -= 1
+            self._poke()
+        samples = sum(request.batch_size for request in batch)
+        counters = self._counters
+        counters.batches += 1
+        counters.compute_ewma_s = (compute_s if counters.batches == 1
+                                   else 0.8 * counters.compute_ewma_s + 0.2 * compute_s)
+        if self._observer is not None:
+            self._observer.batch_done(samples, compute_s)
+        for request, result in zip(batch, outputs):
+            queue_s = max(0.0, dispatched - request.arrival)
+            self._finish(request, "success", result=InferenceResult(result, queue_s, compute_s,
+                                                                    samples))
+
+    def _finish(self, request: _Request, outcome: str, *, result: InferenceResult | None = None,
+                error: BaseException | None = None) -> None:
+        self._count(outcome)
+        if outcome == "success":
+            self._counters.completed += 1
+        if not request.future.done():
+            if error is not None:
+                request.future.set_exception(error)
+            else:
+                request.future.set_result(result)  # type: ignore[arg-type]
+        if self._observer is not None:
+            total_s = time.monotonic() - request.arrival
+            queue_s = result.queue_s if result else total_s
+            compute_s = result.compute_s if result else 0.0
+            self._observer.request_done(outcome, queue_s=queue_s, compute_s=compute_s,
+                                        total_s=total_s)
+
+    def _count(self, outcome: str) -> None:
+        self._counters.per_outcome[outcome] += 1
+
+    def _report_depth(self) -> None:
+        if self._observer is not None:
+            self._observer.queue_depth(self._queued)
+
+
+_instance_numbers = itertools.count()
+
+
+def _stage(backend: Backend, batch: list[_Request]) -> Any:
+    """Copy a batch's requests into the instance's buffers (worker thread)."""
+    total = sum(request.batch_size for request in batch)
+    shapes = dict(batch[0].shape_key)
+    staged = backend.stage(total, shapes)
+    try:
+        for name, target in staged.inputs.items():
+            row = 0
+            for request in batch:
+                rows = request.batch_size
+                np.copyto(target[row:row + rows], request.inputs[name], casting="same_kind")
+                row += rows
+    except BaseException:
+        staged.release()
+        raise
+    return staged
+
+
+def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]) -> list[dict[str, np.ndarray]]:
+    """Run a staged batch and cut the outputs into owned per-request arrays (worker thread)."""
+    outputs = backend.run(staged)
+    results: list[dict[str, np.ndarray]] = []
+    row = 0
+    for request in batch:
+        rows = request.batch_size
+        results.append({name: np.array(value[row:row + rows], copy=True)
+                        for name, value in outputs.items()})
+        row += rows
+    return results

@@ -1,0 +1,205 @@
+"""The on-device daemon: configuration -> model store -> backend instances -> batcher -> HTTP.
+
+``Daemon.start()`` brings up the current model from the store and the HTTP API; ``stop()`` drains
+in-flight requests, closes the listener and frees every backend. ``run_daemon`` runs it in the
+foreground until SIGTERM or SIGINT (systemd's stop, or Ctrl-C). The MQTT control channel, the
+updater and the power governor of later issues attach here: they get the store, the batcher's
+``load()`` signals and ``Batcher.replace_backends`` for the blue-green swap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent.api.server import InferenceServer
+from agent.backends import BackendOptions, ModelArtifacts, backend_class, resolve_backend_name
+from agent.backends.base import Backend
+from agent.batcher import BatchPolicy
+from agent.config import AgentConfig
+from agent.errors import AgentError, StoreError
+from agent.metrics import ServingMetrics
+from agent.serving import ModelService
+from agent.store import ModelStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WARMUP_SIZE = 224
+
+
+def batch_policy(config: AgentConfig, artifacts: ModelArtifacts) -> BatchPolicy:
+    """The batcher's settings: the configuration, capped by what the bundle was built for."""
+    serving = config.serving
+    max_batch = min(serving.max_batch_size, artifacts.max_batch)
+    preferred = tuple(size for size in serving.preferred_batch_sizes if size <= max_batch)
+    if not serving.preferred_batch_sizes and 1 < artifacts.opt_batch < max_batch:
+        preferred = (artifacts.opt_batch,)
+    return BatchPolicy(
+        max_batch_size=max_batch,
+        max_queue_delay_us=serving.max_queue_delay_us,
+        preferred_batch_sizes=preferred,
+        max_queue_size=serving.max_queue_size,
+        default_timeout_us=serving.default_timeout_us,
+        priority_levels=serving.priority_levels,
+        default_priority_level=serving.resolved_default_priority_level,
+    )
+
+
+def backend_options(config: AgentConfig, max_batch: int) -> BackendOptions:
+    serving, trt = config.serving, config.tensorrt
+    return BackendOptions(
+        max_batch_size=max_batch,
+        threads=serving.threads_per_instance(os.cpu_count() or 1),
+        extra={"workspace_mib": trt.workspace_mib, "dla_core": trt.dla_core,
+               "optimization_level": trt.optimization_level, "fp16": trt.fp16},
+    )
+
+
+def warmup_shape(artifacts: ModelArtifacts, backend: Backend) -> dict[str, tuple[int, ...]] | None:
+    """Per-sample input shapes for warm-up: fixed axes as they are, dynamic height and width at
+    the engine profile's optimum (the deployment frame size)."""
+    profile = artifacts.manifest.get("engine_profile") or {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for info in backend.inputs:
+        sample = list(info.sample_shape)
+        dynamic = [index for index, size in enumerate(sample) if size == -1]
+        for index, axis in zip(dynamic[-2:], ("height", "width")):
+            sample[index] = int(profile.get(axis, [0, DEFAULT_WARMUP_SIZE])[1])
+        if -1 in sample:
+            return None
+        shapes[info.name] = tuple(sample)
+    return shapes
+
+
+def warm_up(backend: Backend, artifacts: ModelArtifacts, batches: int, batch_size: int) -> float:
+    """Run a few batches of zeros so the first real request does not pay for lazy setup."""
+    shapes = warmup_shape(artifacts, backend)
+    if shapes is None or batches <= 0:
+        return 0.0
+    started = time.perf_counter()
+    for _ in range(batches):
+        inputs = {name: np.zeros((batch_size, *shape), dtype=info.dtype)
+                  for info in backend.inputs for name, shape in shapes.items() if name == info.name}
+        backend.infer(inputs)
+    return time.perf_counter() - started
+
+
+def start_backends(config: AgentConfig, artifacts: ModelArtifacts,
+                   policy: BatchPolicy) -> list[Backend]:
+    """Create, activate and warm up ``serving.instances`` backends; on any failure free the ones
+    already made and re-raise."""
+    name = resolve_backend_name(config.serving.backend)
+    cls = backend_class(name)
+    options = backend_options(config, policy.max_batch_size)
+    backends: list[Backend] = []
+    try:
+        for _ in range(config.serving.instances):
+            backend = cls(artifacts, options)
+            backends.append(backend)
+            backend.activate()
+            seconds = warm_up(backend, artifacts, config.serving.warmup_batches,
+                              policy.preferred_batch_sizes[-1] if policy.preferred_batch_sizes
+                              else 1)
+            log.info("instance %d of %s v%d ready (%s, warm-up %.2f s)", len(backends),
+                     artifacts.name, artifacts.version, name, seconds)
+    except BaseException:
+        for backend in backends:
+            backend.deactivate()
+        raise
+    return backends
+
+
+@dataclass
+class Daemon:
+    """Everything the foreground daemon runs."""
+
+    config: AgentConfig
+    shm_root: Path = Path("/dev/shm")
+
+    def __post_init__(self) -> None:
+        self.store = ModelStore(self.config.state_dir, trusted_keys=self.config.trust.keys,
+                                keep_versions=self.config.store.keep_versions)
+        self.services: dict[str, ModelService] = {}
+        self.server: InferenceServer | None = None
+
+    def install(self, bundle: Path) -> ModelArtifacts:
+        """Verify and install a bundle and make it current (``serve --bundle``)."""
+        artifacts = self.store.install(bundle)
+        self.store.activate(artifacts.name, artifacts.version)
+        return artifacts
+
+    async def start(self) -> int:
+        """Load the current model and start the HTTP API; returns the port."""
+        artifacts = self.store.current()
+        if artifacts is None:
+            raise StoreError("no model installed: install a bundle with "
+                             "'edge-agent serve --bundle B --pubkey PUB'",
+                             state_dir=self.config.state_dir)
+        policy = batch_policy(self.config, artifacts)
+        loop = asyncio.get_running_loop()
+        backends = await loop.run_in_executor(None, start_backends, self.config, artifacts, policy)
+        metrics = ServingMetrics(artifacts.name)
+        service = ModelService(artifacts.name, artifacts.version, backends, policy,
+                               metrics=metrics)
+        self.services[artifacts.name] = service
+        http = self.config.http
+        self.server = InferenceServer(
+            self.services, host=http.host, port=http.port,
+            token=http.token.reveal() if http.token is not None else None,
+            max_body_bytes=http.max_body_bytes, metrics_render=metrics.render,
+            shm_root=self.shm_root, access_log=http.access_log)
+        service.start()
+        try:
+            return await self.server.start()
+        except BaseException:
+            await service.stop(drain=False)
+            self._free()
+            raise
+
+    async def stop(self, *, timeout_s: float = 30.0) -> None:
+        if self.server is not None:
+            await self.server.stop(drain=True, timeout_s=timeout_s)
+            self.server = None
+        self._free()
+
+    def _free(self) -> None:
+        for service in self.services.values():
+            for backend in service.backends:
+                backend.deactivate()
+        self.services.clear()
+
+
+def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
+               on_ready: Callable[[int], Any] | None = None) -> int:
+    """Run in the foreground until SIGTERM/SIGINT; returns the exit status."""
+    daemon = Daemon(config)
+    if bundle is not None:
+        artifacts = daemon.install(bundle)
+        log.info("installed %s v%d from %s", artifacts.name, artifacts.version, bundle)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        port = await daemon.start()
+        if on_ready is not None:
+            on_ready(port)
+        await stop.wait()
+        log.info("stopping: draining in-flight requests")
+        await daemon.stop()
+
+    try:
+        asyncio.run(main())
+    except AgentError:
+        raise
+    return 0

@@ -1,0 +1,230 @@
+"""``edge-agent demo``: the whole path on one machine, on the embedded defaults.
+
+Builds the example bundle when none is there (ResNet-18 on the digits set, pruned and INT8; needs
+the ``host`` extra), installs it into a fresh model store, starts the daemon on a free loopback
+port, sends the held-out digit images as binary KServe v2 requests from concurrent clients (and a
+few through system shared memory), prints predictions, latency and the server's metrics, and shuts
+down by draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import mmap
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent.deps import require
+from agent.errors import InputError
+
+log = logging.getLogger(__name__)
+
+EXAMPLE_MODEL = "resnet18-digits"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    out_dir: Path = Path("out/demo")
+    requests: int = 360  # the whole held-out split
+    concurrency: int = 8
+    backend: str = "auto"
+    shm_requests: int = 4
+
+
+def find_or_build_bundle(out_dir: Path) -> tuple[Path, Path]:
+    """The newest example bundle in ``out_dir`` and its public key; built when missing."""
+    public_key = out_dir / "signing.key.pub"
+    bundles = sorted(out_dir.glob(f"{EXAMPLE_MODEL}-*.bundle"),
+                     key=lambda path: path.stat().st_mtime)
+    if bundles and public_key.is_file():
+        return bundles[-1], public_key
+    require("torch", extra="host", purpose="building the example bundle")
+    from models.pipeline import BuildOptions, build, format_summary
+
+    print(f"no example bundle in {out_dir}: building one (a few minutes on 2 cores)", flush=True)
+    result = build(BuildOptions(out_dir=out_dir, model=EXAMPLE_MODEL, prune_ratio=0.5,
+                                progress=False))
+    print(format_summary(result), flush=True)
+    return find_or_build_bundle(out_dir)
+
+
+def held_out_digits(manifest: dict[str, Any], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Real images for the demo: the digits set's held-out split at the bundle's input size."""
+    from models.data import load_digits_splits
+
+    resize = (manifest.get("preprocessing") or {}).get("resize") or [32, 32]
+    _, held_out = load_digits_splits(int(resize[0]))
+    return held_out.images[:count], held_out.labels[:count]
+
+
+async def _infer(session: Any, url: str, body: bytes, header_length: int) -> tuple[dict, float]:
+    from agent.loadgen import decode_response
+
+    started = time.perf_counter()
+    async with session.post(url, data=body,
+                            headers={"Inference-Header-Content-Length": str(header_length),
+                                     "Content-Type": "application/octet-stream"}) as response:
+        payload = await response.read()
+        if response.status != 200:
+            raise InputError("the daemon refused a request", status=response.status,
+                             body=payload[:200].decode(errors="replace"))
+        length = response.headers.get("Inference-Header-Content-Length")
+        outputs = decode_response(payload, int(length) if length else None)
+    return outputs, time.perf_counter() - started
+
+
+async def _send_all(base: str, model: str, input_name: str, images: np.ndarray,
+                    concurrency: int) -> tuple[np.ndarray, list[float]]:
+    aiohttp = require("aiohttp", extra="device", purpose="the demo's client")
+    from agent.loadgen import encode_request
+
+    url = f"{base}/v2/models/{model}/infer"
+    predictions = np.full(len(images), -1)
+    latencies: list[float] = []
+    indices = iter(range(len(images)))
+
+    async def worker(session: Any) -> None:
+        for index in indices:
+            body, header_length = encode_request(input_name, images[index:index + 1],
+                                                 datatype="FP32")
+            outputs, seconds = await _infer(session, url, body, header_length)
+            predictions[index] = int(np.argmax(next(iter(outputs.values()))[0]))
+            latencies.append(seconds)
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return predictions, latencies
+
+
+async def _send_through_shared_memory(base: str, model: str, input_name: str,
+                                      images: np.ndarray) -> list[int]:
+    """Hand frames over in a POSIX shared memory region: only a small JSON body goes over HTTP."""
+    aiohttp = require("aiohttp", extra="device", purpose="the demo's client")
+    from agent.loadgen import decode_response
+
+    frame = np.ascontiguousarray(images[:1], dtype=np.float32)
+    key = f"edge-agent-demo-{uuid.uuid4().hex[:8]}"
+    path = Path("/dev/shm") / key
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    predictions: list[int] = []
+    try:
+        os.ftruncate(fd, frame.nbytes)
+        with mmap.mmap(fd, frame.nbytes) as region:
+            predictions = await _shm_requests(aiohttp, base, model, input_name, images, frame,
+                                              region, key, decode_response)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return predictions
+
+
+async def _shm_requests(aiohttp: Any, base: str, model: str, input_name: str,
+                        images: np.ndarray, frame: np.ndarray, region: mmap.mmap, key: str,
+                        decode_response: Any) -> list[int]:
+    predictions: list[int] = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{base}/v2/systemsharedmemory/region/demo/register",
+                                json={"key": "/" + key, "offset": 0,
+                                      "byte_size": frame.nbytes}) as response:
+            response.raise_for_status()
+        view = np.frombuffer(region, dtype=np.float32).reshape(frame.shape)
+        for index in range(len(images)):
+            view[:] = images[index:index + 1]  # the camera pipeline's one write
+            request = {"inputs": [{
+                "name": input_name, "datatype": "FP32", "shape": list(frame.shape),
+                "parameters": {"shared_memory_region": "demo",
+                               "shared_memory_byte_size": frame.nbytes}}],
+                "parameters": {"binary_data_output": True}}
+            async with session.post(f"{base}/v2/models/{model}/infer",
+                                    json=request) as response:
+                payload = await response.read()
+                if response.status != 200:
+                    raise InputError("shared memory request refused", status=response.status,
+                                     body=payload[:200].decode(errors="replace"))
+                length = response.headers.get("Inference-Header-Content-Length")
+                outputs = decode_response(payload, int(length) if length else None)
+            predictions.append(int(np.argmax(next(iter(outputs.values()))[0])))
+        del view
+        async with session.post(
+                f"{base}/v2/systemsharedmemory/region/demo/unregister") as response:
+            response.raise_for_status()
+    return predictions
+
+
+def _percentile_ms(latencies: list[float], percent: float) -> float:
+    return float(np.percentile(np.asarray(latencies) * 1e3, percent)) if latencies else 0.0
+
+
+def run_demo(options: DemoOptions) -> int:
+    from agent.config import load_config
+    from agent.daemon import Daemon
+
+    out_dir = options.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bundle, public_key = find_or_build_bundle(out_dir)
+    state_dir = out_dir / "state"
+    shutil.rmtree(state_dir, ignore_errors=True)  # a fresh store each run: the demo installs
+    config = load_config(None, env={}, overrides={
+        "state_dir": state_dir, "http.port": 0, "trust.public_keys": [public_key],
+        "serving.backend": options.backend})
+    daemon = Daemon(config)
+    artifacts = daemon.install(bundle)
+    print(f"installed {artifacts.name} v{artifacts.version} from {bundle} into {state_dir}")
+    images, labels = held_out_digits(dict(artifacts.manifest), options.requests)
+    input_name = artifacts.manifest["inputs"][0]["name"]
+
+    async def main() -> dict[str, Any]:
+        port = await daemon.start()
+        base = f"http://127.0.0.1:{port}"
+        print(f"daemon serving KServe v2 on {base}")
+        try:
+            started = time.perf_counter()
+            predictions, latencies = await _send_all(base, artifacts.name, input_name, images,
+                                                     options.concurrency)
+            wall_s = time.perf_counter() - started
+            shm_predictions = await _send_through_shared_memory(
+                base, artifacts.name, input_name, images[:options.shm_requests])
+            aiohttp = require("aiohttp", extra="device", purpose="the demo's client")
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{base}/metrics") as response:
+                    metrics_text = await response.text()
+                async with session.get(f"{base}/v2/models/{artifacts.name}/stats") as response:
+                    stats = json.loads(await response.text())["model_stats"][0]
+        finally:
+            await daemon.stop()
+        return {"predictions": predictions, "latencies": latencies, "wall_s": wall_s,
+                "shm": shm_predictions, "metrics": metrics_text, "stats": stats}
+
+    result = asyncio.run(main())
+    predictions, latencies = result["predictions"], result["latencies"]
+    correct = int((predictions == labels).sum())
+    print("\nfirst predictions (label -> predicted):",
+          " ".join(f"{label}->{pred}" for label, pred in zip(labels[:16], predictions[:16])))
+    print(f"accuracy      {correct}/{len(labels)} = {100.0 * correct / len(labels):.2f}% "
+          f"(held-out digits, {options.concurrency} concurrent clients)")
+    print(f"throughput    {len(labels) / result['wall_s']:.1f} requests/s")
+    print(f"latency       p50 {_percentile_ms(latencies, 50):.1f} ms, "
+          f"p90 {_percentile_ms(latencies, 90):.1f} ms, p99 {_percentile_ms(latencies, 99):.1f} ms")
+    stats = result["stats"]
+    executions = max(1, stats["execution_count"])
+    print(f"batching      {stats['inference_count']} samples in {stats['execution_count']} "
+          f"batches (mean {stats['inference_count'] / executions:.1f})")
+    shm_ok = result["shm"] == [int(p) for p in predictions[:options.shm_requests]]
+    print(f"shared memory {len(result['shm'])} frames via /dev/shm, same predictions: {shm_ok}")
+    print("metrics (excerpt):")
+    for line in result["metrics"].splitlines():
+        if line.startswith(("edge_agent_requests_total", "edge_agent_batch_size_sum",
+                            "edge_agent_batch_size_count", "edge_agent_model_version",
+                            "edge_agent_request_duration_seconds_count")):
+            print("  " + line)
+    print("daemon stopped cleanly")
+    return 0 if shm_ok and correct >= 0.9 * len(labels) else 1

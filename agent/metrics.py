@@ -1,0 +1,84 @@
+"""Prometheus metrics of the inference server, through the ``prometheus-client`` package.
+
+Names follow Prometheus conventions (``edge_agent_`` prefix, base units, ``_total`` counters). Each
+server owns its own registry, so several servers (tests, a blue-green pair) never share state.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServingMetrics"]
+
+# Request latencies from 0.5 ms (a tiny model on a GPU) to 10 s (a full queue on a slow CPU).
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+                      10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class ServingMetrics:
+    """The metrics of one model's serving path; also the batcher's observer."""
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model = model
+        labels = ["model"]
+        self._requests = Counter(
+            "edge_agent_requests", "Inference requests by outcome (success, failure, rejected, "
+            "timeout, invalid)", [*labels, "outcome"], registry=self.registry)
+        self._request_seconds = Histogram(
+            "edge_agent_request_duration_seconds", "End-to-end time of a request inside the "
+            "server (receive to response)", labels, buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry)
+        self._queue_seconds = Histogram(
+            "edge_agent_queue_duration_seconds", "Time a request waited in the batcher's queue",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self._compute_seconds = Histogram(
+            "edge_agent_compute_duration_seconds", "Time the backend spent on a request's batch",
+            labels, buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self._batch_size = Histogram(
+            "edge_agent_batch_size", "Samples per executed batch", labels,
+            buckets=_BATCH_BUCKETS, registry=self.registry)
+        self._queue_depth = Gauge(
+            "edge_agent_queue_depth", "Requests waiting in the batcher's queue", labels,
+            registry=self.registry)
+        self._model_version = Gauge(
+            "edge_agent_model_version", "Version of the model being served", labels,
+            registry=self.registry)
+        self._inflight = Gauge(
+            "edge_agent_requests_in_flight", "Requests received and not yet answered", labels,
+            registry=self.registry)
+
+    # -- the batcher's observer ---------------------------------------------------------
+
+    def request_done(self, outcome: str, *, queue_s: float, compute_s: float,
+                     total_s: float) -> None:
+        self._requests.labels(self.model, outcome).inc()
+        if outcome == "success":
+            self._queue_seconds.labels(self.model).observe(queue_s)
+            self._compute_seconds.labels(self.model).observe(compute_s)
+
+    def batch_done(self, batch_size: int, compute_s: float) -> None:
+        self._batch_size.labels(self.model).observe(batch_size)
+
+    def queue_depth(self, depth: int) -> None:
+        self._queue_depth.labels(self.model).set(depth)
+
+    # -- the HTTP layer -----------------------------------------------------------------
+
+    def request_rejected(self, outcome: str) -> None:
+        """A request that never reached the batcher (bad input, full queue, not ready)."""
+        self._requests.labels(self.model, outcome).inc()
+
+    def observe_request(self, total_s: float) -> None:
+        self._request_seconds.labels(self.model).observe(total_s)
+
+    def set_model_version(self, version: int) -> None:
+        self._model_version.labels(self.model).set(version)
+
+    def inflight(self, delta: int) -> None:
+        self._inflight.labels(self.model).inc(delta)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,376 @@
+"""The HTTP API against stock ``tritonclient`` and raw HTTP: results equal to running the ONNX model
+directly, and every kind of bad request answered with a 4xx that leaves the server serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+http = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from agent.backends.base import BackendOptions  # noqa: E402
+from agent.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
+from agent.batcher import BatchPolicy  # noqa: E402
+from tests.serving_fixtures import ServerThread  # noqa: E402
+from tests.tiny_models import (  # noqa: E402
+    GatedBackend,
+    artifacts_for,
+    reference_logits,
+    tiny_classifier,
+)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_classifier(tmp_path_factory.mktemp("api") / "model.onnx")
+
+
+def backend(model_path: Path, cls: type[OnnxRuntimeBackend] = OnnxRuntimeBackend) -> Any:
+    instance = cls(artifacts_for(model_path), BackendOptions(max_batch_size=8, threads=1))
+    instance.activate()
+    return instance
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path) -> Any:
+    running = ServerThread([backend(model_path)], BatchPolicy(max_batch_size=8,
+                                                              max_queue_delay_us=2000),
+                           max_body_bytes=1 << 20)
+    yield running
+    running.stop()
+
+
+@pytest.fixture()
+def client(server: ServerThread) -> Any:
+    return http.InferenceServerClient(server.url)
+
+
+def frames(count: int, size: int = 16, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(count, 3, size, size)).astype(np.float32)
+
+
+def post(server: ServerThread, path: str, body: bytes, headers: dict[str, str] | None = None
+         ) -> tuple[int, dict[str, Any], bytes]:
+    request = urllib.request.Request(f"http://{server.url}{path}", data=body, method="POST",
+                                     headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def get(server: ServerThread, path: str, headers: dict[str, str] | None = None
+        ) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://{server.url}{path}", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def assert_serving(client: Any, model_path: Path) -> None:
+    data = frames(1, seed=99)
+    tensor = http.InferInput("input", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data)
+    result = client.infer("tiny", [tensor])
+    np.testing.assert_allclose(result.as_numpy("logits"), reference_logits(model_path, data),
+                               rtol=1e-4, atol=1e-5)
+
+
+# -- health and metadata --------------------------------------------------------------------
+
+
+def test_health_and_metadata(client: Any) -> None:
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready("tiny")
+    assert not client.is_model_ready("nope")
+    server_meta = client.get_server_metadata()
+    assert "binary_tensor_data" in server_meta["extensions"]
+    assert "system_shared_memory" in server_meta["extensions"]
+    meta = client.get_model_metadata("tiny")
+    assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, -1, -1]}]
+    assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
+    assert meta["versions"] == ["1"]
+    config = client.get_model_config("tiny")
+    assert config["max_batch_size"] == 8
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    index = client.get_model_repository_index()
+    assert index == [{"name": "tiny", "version": "1", "state": "READY", "reason": ""}]
+
+
+# -- inference ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("binary_in", [True, False])
+@pytest.mark.parametrize("binary_out", [True, False])
+def test_infer_matches_the_onnx_model(client: Any, model_path: Path, binary_in: bool,
+                                      binary_out: bool) -> None:
+    data = frames(3, size=20, seed=1)
+    tensor = http.InferInput("input", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data, binary_data=binary_in)
+    result = client.infer("tiny", [tensor], request_id="req-7",
+                          outputs=[http.InferRequestedOutput("logits", binary_data=binary_out)])
+    np.testing.assert_allclose(result.as_numpy("logits"), reference_logits(model_path, data),
+                               rtol=1e-4, atol=1e-5)
+    response = result.get_response()
+    assert response["id"] == "req-7"
+    assert response["model_version"] == "1"
+
+
+def test_versioned_url_and_concurrent_clients(server: ServerThread, model_path: Path) -> None:
+    data = frames(16, seed=2)
+    expected = reference_logits(model_path, data)
+
+    def one(index: int) -> np.ndarray:
+        client = http.InferenceServerClient(server.url)
+        tensor = http.InferInput("input", [1, 3, 16, 16], "FP32")
+        tensor.set_data_from_numpy(data[index:index + 1])
+        return client.infer("tiny", [tensor], model_version="1").as_numpy("logits")[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(16)))
+    np.testing.assert_allclose(np.stack(results), expected, rtol=1e-4, atol=1e-5)
+    stats = http.InferenceServerClient(server.url).get_inference_statistics("tiny")
+    model_stats = stats["model_stats"][0]
+    # Concurrent requests were batched: fewer executions than inferences.
+    assert model_stats["execution_count"] < model_stats["inference_count"]
+
+
+def test_shared_memory_inputs_and_outputs(client: Any, model_path: Path) -> None:
+    shm = pytest.importorskip("tritonclient.utils.shared_memory")
+    data = frames(2, seed=3)
+    in_bytes, out_bytes = data.nbytes, 2 * 10 * 4
+    key_in, key_out = f"/edge-test-in-{id(data)}", f"/edge-test-out-{id(data)}"
+    region_in = shm.create_shared_memory_region("frames_in", key_in, in_bytes)
+    region_out = shm.create_shared_memory_region("logits_out", key_out, out_bytes)
+    try:
+        shm.set_shared_memory_region(region_in, [data])
+        client.register_system_shared_memory("frames_in", key_in, in_bytes)
+        client.register_system_shared_memory("logits_out", key_out, out_bytes)
+        status = client.get_system_shared_memory_status()
+        assert {entry["name"] for entry in status} == {"frames_in", "logits_out"}
+        tensor = http.InferInput("input", list(data.shape), "FP32")
+        tensor.set_shared_memory("frames_in", in_bytes)
+        output = http.InferRequestedOutput("logits", binary_data=True)
+        output.set_shared_memory("logits_out", out_bytes)
+        result = client.infer("tiny", [tensor], outputs=[output])
+        assert result.get_output("logits")["parameters"]["shared_memory_region"] == "logits_out"
+        logits = shm.get_contents_as_numpy(region_out, np.float32, [2, 10])
+        np.testing.assert_allclose(logits, reference_logits(model_path, data), rtol=1e-4,
+                                   atol=1e-5)
+        # Too small a region for the tensor, then an unregistered one: 4xx, server keeps serving.
+        small = http.InferInput("input", list(data.shape), "FP32")
+        small.set_shared_memory("logits_out", in_bytes)
+        with pytest.raises(InferenceServerException, match="does not fit"):
+            client.infer("tiny", [small])
+        client.unregister_system_shared_memory("frames_in")
+        with pytest.raises(InferenceServerException, match="not registered"):
+            client.infer("tiny", [tensor])
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(region_in)
+        shm.destroy_shared_memory_region(region_out)
+    assert client.get_system_shared_memory_status() == []
+    assert_serving(client, model_path)
+
+
+# -- bad requests ---------------------------------------------------------------------------
+
+
+def binary_body(array: np.ndarray, *, declared: int | None = None, datatype: str = "FP32",
+                shape: list[int] | None = None, name: str = "input") -> tuple[bytes, str]:
+    raw = array.tobytes()
+    header = json.dumps({"inputs": [{
+        "name": name, "datatype": datatype, "shape": shape or list(array.shape),
+        "parameters": {"binary_data_size": len(raw) if declared is None else declared}}]}).encode()
+    return header + raw, str(len(header))
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "message"),
+    [
+        ("wrong dtype", 400, "wrong datatype"),
+        ("wrong shape", 400, "shape does not match"),
+        ("wrong byte size", 400, "binary_data_size does not match"),
+        ("unknown input", 400, "unknown input"),
+        ("unknown model", 404, "unknown model"),
+        ("unknown version", 404, "version is not served"),
+        ("malformed json", 400, "not valid JSON"),
+        ("header longer than body", 400, "does not fit the body"),
+        ("binary shorter than declared", 400, "shorter than binary_data_size"),
+        ("extra binary bytes", 400, "does not match the inputs"),
+        ("json data count", 400, "wrong number of elements"),
+        ("batch too large", 400, "batch size out of range"),
+        ("body over the limit", 413, "too large"),
+        ("no inputs", 400, "non-empty 'inputs'"),
+    ],
+)
+def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(
+        server: ServerThread, client: Any, model_path: Path, case: str, status: int,
+        message: str) -> None:
+    data = frames(1)
+    path = "/v2/models/tiny/infer"
+    headers: dict[str, str] = {}
+    if case == "wrong dtype":
+        body, length = binary_body(data.astype(np.float64), datatype="FP64")
+    elif case == "wrong shape":
+        body, length = binary_body(data, shape=[1, 4, 16, 12])
+    elif case == "wrong byte size":
+        body, length = binary_body(data[:, :, :8], shape=[1, 3, 16, 16])
+    elif case == "unknown input":
+        body, length = binary_body(data, name="images")
+    elif case == "unknown model":
+        body, length = binary_body(data)
+        path = "/v2/models/other/infer"
+    elif case == "unknown version":
+        body, length = binary_body(data)
+        path = "/v2/models/tiny/versions/9/infer"
+    elif case == "malformed json":
+        body, length = b'{"inputs": [', str(len(b'{"inputs": ['))
+    elif case == "header longer than body":
+        body, _ = binary_body(data)
+        length = str(len(body) + 10)
+    elif case == "binary shorter than declared":
+        body, length = binary_body(data)
+        body = body[:-100]
+    elif case == "extra binary bytes":
+        body, length = binary_body(data)
+        body += b"\0" * 16
+    elif case == "json data count":
+        body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32",
+                                       "shape": [1, 3, 16, 16], "data": [0.0] * 10}]}).encode()
+        length = ""
+    elif case == "batch too large":
+        body, length = binary_body(frames(9))
+    elif case == "body over the limit":
+        body, length = binary_body(frames(1, size=300))
+    elif case == "no inputs":
+        body, length = b'{"inputs": []}', ""
+    if length:
+        headers["Inference-Header-Content-Length"] = length
+    code, response_headers, payload = post(server, path, body, headers)
+    assert code == status, payload
+    assert message in json.loads(payload)["error"]
+    assert_serving(client, model_path)
+
+
+def test_tritonclient_sees_the_error_message(client: Any) -> None:
+    data = frames(1).astype(np.int32)
+    tensor = http.InferInput("input", list(data.shape), "INT32")
+    tensor.set_data_from_numpy(data)
+    with pytest.raises(InferenceServerException, match="wrong datatype"):
+        client.infer("tiny", [tensor])
+
+
+def test_metrics_are_prometheus_text(server: ServerThread, client: Any, model_path: Path) -> None:
+    assert_serving(client, model_path)
+    status, body = get(server, "/metrics")
+    text = body.decode()
+    assert status == 200
+    assert 'edge_agent_requests_total{model="tiny",outcome="success"}' in text
+    assert 'edge_agent_model_version{model="tiny"} 1.0' in text
+    for name in ("edge_agent_queue_duration_seconds_bucket", "edge_agent_compute_duration_seconds",
+                 "edge_agent_request_duration_seconds", "edge_agent_batch_size_bucket",
+                 "edge_agent_queue_depth"):
+        assert name in text
+
+
+# -- queue limit, shutdown, token -----------------------------------------------------------
+
+
+def wait_for(condition: Any, describe: Any = None, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached in time: {describe and describe()}")
+        time.sleep(0.01)
+
+
+def test_full_queue_answers_503(model_path: Path) -> None:
+    gated = backend(model_path, GatedBackend)
+    running = ServerThread([gated], BatchPolicy(max_batch_size=1, max_queue_delay_us=0,
+                                                max_queue_size=1))
+    try:
+        gated.gate.clear()
+        data = frames(1)
+        body, length = binary_body(data)
+        headers = {"Inference-Header-Content-Length": length}
+        with ThreadPoolExecutor(4) as pool:
+            first = pool.submit(post, running, "/v2/models/tiny/infer", body, headers)
+            assert gated.running.wait(5)
+            # The second is staged in the spare buffer set, the third waits in the queue: the
+            # fourth is over the limit.
+            batcher = running.service.batcher
+            second = pool.submit(post, running, "/v2/models/tiny/infer", body, headers)
+            wait_for(lambda: gated.events.count("stage1") == 2 and batcher.queue_depth == 0,
+                     lambda: (batcher.load(), gated.events))
+            third = pool.submit(post, running, "/v2/models/tiny/infer", body, headers)
+            wait_for(lambda: batcher.queue_depth == 1, lambda: (batcher.load(), gated.events))
+            code, _, payload = post(running, "/v2/models/tiny/infer", body, headers)
+            assert code == 503
+            assert "queue is full" in json.loads(payload)["error"]
+            gated.gate.set()
+            assert [f.result()[0] for f in (first, second, third)] == [200, 200, 200]
+    finally:
+        gated.gate.set()
+        running.stop()
+
+
+def test_shutdown_drains_in_flight_requests(model_path: Path) -> None:
+    gated = backend(model_path, GatedBackend)
+    running = ServerThread([gated], BatchPolicy(max_batch_size=2, max_queue_delay_us=0))
+    gated.gate.clear()
+    body, length = binary_body(frames(1))
+    headers = {"Inference-Header-Content-Length": length}
+    with ThreadPoolExecutor(4) as pool:
+        in_flight = [pool.submit(post, running, "/v2/models/tiny/infer", body, headers)
+                     for _ in range(3)]
+        assert gated.running.wait(5)
+        wait_for(lambda: running.service.batcher.load().arrivals_total == 3)
+        stopping = asyncio.run_coroutine_threadsafe(running.server.stop(drain=True),
+                                                    running.loop)
+        threading.Event().wait(0.2)
+        assert not stopping.done()  # waits for the requests it holds
+        gated.gate.set()
+        stopping.result(10)
+        running.stopped = True
+        results = [future.result(10) for future in in_flight]
+    assert [code for code, _, _ in results] == [200, 200, 200]
+    for _, _, payload in results:
+        assert json.loads(payload)["outputs"][0]["shape"] == [1, 10]
+    running.stop()
+
+
+def test_bearer_token_guards_everything_but_health(model_path: Path) -> None:
+    running = ServerThread([backend(model_path)], BatchPolicy(max_batch_size=4), token="s3cret")
+    try:
+        assert get(running, "/v2/health/ready")[0] == 200
+        assert get(running, "/v2/models/tiny")[0] == 401
+        assert get(running, "/metrics", {"Authorization": "Bearer wrong"})[0] == 401
+        assert get(running, "/v2/models/tiny", {"Authorization": "Bearer s3cret"})[0] == 200
+        client = http.InferenceServerClient(running.url)
+        data = frames(1)
+        tensor = http.InferInput("input", list(data.shape), "FP32")
+        tensor.set_data_from_numpy(data)
+        with pytest.raises(InferenceServerException):
+            client.infer("tiny", [tensor])
+        result = client.infer("tiny", [tensor], headers={"Authorization": "Bearer s3cret"})
+        np.testing.assert_allclose(result.as_numpy("logits"), reference_logits(model_path, data),
+                                   rtol=1e-4, atol=1e-5)
+    finally:
+        running.stop()

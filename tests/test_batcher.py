@@ -1,0 +1,332 @@
+"""The dynamic batcher on real ONNX Runtime instances of a tiny classifier.
+
+Where a test must hold a batch on an instance (deadlines, priorities, overlap), the backend is
+wrapped in a gate: the run waits until the test opens it. That is the only stand-in here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from agent.backends.base import BackendOptions
+from agent.backends.onnxruntime import OnnxRuntimeBackend
+from agent.batcher import (
+    Batcher,
+    BatchPolicy,
+    DeadlineExceeded,
+    NotServing,
+    QueueFull,
+)
+from agent.errors import ConfigError, InputError
+from tests.tiny_models import (
+    GatedBackend,
+    artifacts_for,
+    reference_logits,
+    tiny_classifier,
+)
+
+
+@pytest.fixture()
+def model_path(tmp_path: Path) -> Path:
+    return tiny_classifier(tmp_path / "model" / "model.onnx")
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+        self.outcomes: list[str] = []
+        self.depths: list[int] = []
+
+    def request_done(self, outcome: str, *, queue_s: float, compute_s: float,
+                     total_s: float) -> None:
+        self.outcomes.append(outcome)
+
+    def batch_done(self, batch_size: int, compute_s: float) -> None:
+        self.batches.append(batch_size)
+
+    def queue_depth(self, depth: int) -> None:
+        self.depths.append(depth)
+
+
+def make_backend(model_path: Path, cls: type[OnnxRuntimeBackend] = OnnxRuntimeBackend,
+                 max_batch: int = 32) -> Any:
+    backend = cls(artifacts_for(model_path), BackendOptions(max_batch_size=max_batch, threads=1))
+    backend.activate()
+    return backend
+
+
+def images(count: int, size: int = 16, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(count, 3, size, size)).astype(np.float32)
+
+
+def test_concurrent_requests_form_batches_with_correct_results(model_path: Path) -> None:
+    recorder = Recorder()
+    data = images(20)
+    expected = reference_logits(model_path, data)
+
+    async def main() -> list[Any]:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=8, max_queue_delay_us=200_000),
+                          observer=recorder)
+        batcher.start()
+        futures = [batcher.submit({"input": data[i:i + 1]}) for i in range(20)]
+        results = await asyncio.gather(*futures)
+        await batcher.stop()
+        return results
+
+    results = asyncio.run(main())
+    assert recorder.batches == [8, 8, 4]
+    for index, result in enumerate(results):
+        np.testing.assert_allclose(result.outputs["logits"][0], expected[index], rtol=1e-4,
+                                   atol=1e-5)
+        assert result.outputs["logits"].shape == (1, 10)
+    assert recorder.outcomes == ["success"] * 20
+
+
+def test_a_lone_request_waits_for_the_queue_delay(model_path: Path) -> None:
+    async def main() -> Any:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=8, max_queue_delay_us=150_000))
+        batcher.start()
+        result = await batcher.submit({"input": images(1)})
+        await batcher.stop()
+        return result
+
+    result = asyncio.run(main())
+    assert result.queue_s >= 0.14
+    assert result.batch_size == 1
+
+
+def test_a_preferred_batch_size_goes_without_waiting(model_path: Path) -> None:
+    recorder = Recorder()
+
+    async def main() -> list[Any]:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=32, max_queue_delay_us=5_000_000,
+                                      preferred_batch_sizes=(4,)), observer=recorder)
+        batcher.start()
+        results = await asyncio.wait_for(
+            asyncio.gather(*(batcher.submit({"input": images(1, seed=i)}) for i in range(4))), 3)
+        await batcher.stop()
+        return results
+
+    results = asyncio.run(main())
+    assert recorder.batches == [4]
+    assert max(result.queue_s for result in results) < 1.0
+
+
+def test_requests_carrying_several_samples_share_a_batch(model_path: Path) -> None:
+    recorder = Recorder()
+    data = images(7)
+    expected = reference_logits(model_path, data)
+
+    async def main() -> list[Any]:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=8, max_queue_delay_us=100_000),
+                          observer=recorder)
+        batcher.start()
+        results = await asyncio.gather(batcher.submit({"input": data[:3]}),
+                                       batcher.submit({"input": data[3:7]}))
+        await batcher.stop()
+        return results
+
+    first, second = asyncio.run(main())
+    assert recorder.batches == [7]
+    np.testing.assert_allclose(first.outputs["logits"], expected[:3], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(second.outputs["logits"], expected[3:], rtol=1e-4, atol=1e-5)
+
+
+def test_different_frame_sizes_never_share_a_batch(model_path: Path) -> None:
+    recorder = Recorder()
+    small, large = images(2, size=16), images(2, size=24, seed=1)
+
+    async def main() -> list[Any]:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=8, max_queue_delay_us=50_000),
+                          observer=recorder)
+        batcher.start()
+        results = await asyncio.gather(
+            *(batcher.submit({"input": array[i:i + 1]}) for array in (small, large)
+              for i in range(2)))
+        await batcher.stop()
+        return results
+
+    results = asyncio.run(main())
+    assert sorted(recorder.batches) == [2, 2]
+    np.testing.assert_allclose(np.concatenate([r.outputs["logits"] for r in results[2:]]),
+                               reference_logits(model_path, large), rtol=1e-4, atol=1e-5)
+
+
+def test_full_queue_rejects_at_once(model_path: Path) -> None:
+    backend = make_backend(model_path, GatedBackend, max_batch=1)
+
+    async def main() -> None:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0,
+                                                 max_queue_size=2), buffer_sets=1)
+        batcher.start()
+        backend.gate.clear()
+        running = batcher.submit({"input": images(1)})
+        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        # The instance is busy with the first and has no spare buffer set: these two wait.
+        queued = [batcher.submit({"input": images(1)}) for _ in range(2)]
+        with pytest.raises(QueueFull):
+            batcher.submit({"input": images(1)})
+        backend.gate.set()
+        await asyncio.gather(running, *queued)
+        await batcher.stop()
+
+    asyncio.run(main())
+
+
+def test_deadline_passes_in_the_queue(model_path: Path) -> None:
+    backend = make_backend(model_path, GatedBackend, max_batch=1)
+    recorder = Recorder()
+
+    async def main() -> None:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0),
+                          observer=recorder, buffer_sets=1)
+        batcher.start()
+        backend.gate.clear()
+        first = batcher.submit({"input": images(1)})
+        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        late = batcher.submit({"input": images(1)}, timeout_us=30_000)
+        with pytest.raises(DeadlineExceeded):
+            await asyncio.wait_for(late, 2)
+        backend.gate.set()
+        await first
+        await batcher.stop()
+
+    asyncio.run(main())
+    assert sorted(recorder.outcomes) == ["success", "timeout"]
+
+
+def test_higher_priority_runs_first(model_path: Path) -> None:
+    backend = make_backend(model_path, GatedBackend, max_batch=1)
+    order: list[str] = []
+
+    async def main() -> None:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0,
+                                                 priority_levels=2, default_priority_level=2),
+                          buffer_sets=1)
+        batcher.start()
+        backend.gate.clear()
+        blocker = batcher.submit({"input": images(1)})
+        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        low = batcher.submit({"input": images(1)})
+        high = batcher.submit({"input": images(1)}, priority=1)
+        low.add_done_callback(lambda _: order.append("low"))
+        high.add_done_callback(lambda _: order.append("high"))
+        backend.gate.set()
+        await asyncio.gather(blocker, low, high)
+        await batcher.stop()
+
+    asyncio.run(main())
+    assert order == ["high", "low"]
+
+
+def test_a_failed_batch_fails_only_its_own_requests(model_path: Path) -> None:
+    backend = make_backend(model_path, GatedBackend, max_batch=1)
+    poisoned = np.full((1, 3, 16, 16), -999, dtype=np.float32)
+
+    async def main() -> list[Any]:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0))
+        batcher.start()
+        futures = [batcher.submit({"input": images(1)}), batcher.submit({"input": poisoned}),
+                   batcher.submit({"input": images(1)})]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        await batcher.stop()
+        return results
+
+    good, bad, also_good = asyncio.run(main())
+    assert "poisoned batch" in str(bad)
+    assert good.outputs["logits"].shape == also_good.outputs["logits"].shape == (1, 10)
+
+
+def test_next_full_batch_is_staged_while_the_current_one_runs(model_path: Path) -> None:
+    backend = make_backend(model_path, GatedBackend, max_batch=4)
+
+    async def main() -> None:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=4, max_queue_delay_us=0))
+        batcher.start()
+        backend.gate.clear()
+        futures = [batcher.submit({"input": images(1, seed=i)}) for i in range(8)]
+        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        for _ in range(200):
+            if backend.events.count("stage4") == 2:
+                break
+            await asyncio.sleep(0.01)
+        # Both batches staged, only the first one running.
+        assert backend.events == ["stage4", "run-start", "stage4"] or \
+            backend.events == ["stage4", "stage4", "run-start"]
+        backend.gate.set()
+        await asyncio.gather(*futures)
+        await batcher.stop()
+
+    asyncio.run(main())
+
+
+def test_two_instances_run_batches_at_the_same_time(model_path: Path) -> None:
+    first = make_backend(model_path, GatedBackend, max_batch=2)
+    second = make_backend(model_path, GatedBackend, max_batch=2)
+
+    async def main() -> None:
+        batcher = Batcher([first, second], BatchPolicy(max_batch_size=2, max_queue_delay_us=0))
+        batcher.start()
+        first.gate.clear()
+        second.gate.clear()
+        futures = [batcher.submit({"input": images(2, seed=i)}) for i in range(2)]
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, first.running.wait, 5)
+        assert await loop.run_in_executor(None, second.running.wait, 5)
+        first.gate.set()
+        second.gate.set()
+        await asyncio.gather(*futures)
+        await batcher.stop()
+
+    asyncio.run(main())
+
+
+def test_stop_drains_queued_requests_then_refuses_new_ones(model_path: Path) -> None:
+    async def main() -> None:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=4, max_queue_delay_us=1_000_000))
+        batcher.start()
+        futures = [batcher.submit({"input": images(1, seed=i)}) for i in range(6)]
+        started = time.monotonic()
+        await batcher.stop(drain=True)
+        # Draining does not sit out the queue delay.
+        assert time.monotonic() - started < 0.9
+        assert all(future.done() and future.exception() is None for future in futures)
+        with pytest.raises(NotServing):
+            batcher.submit({"input": images(1)})
+
+    asyncio.run(main())
+
+
+def test_bad_submissions_are_rejected(model_path: Path) -> None:
+    async def main() -> None:
+        batcher = Batcher([make_backend(model_path)], BatchPolicy(max_batch_size=4))
+        batcher.start()
+        with pytest.raises(InputError, match="batch size"):
+            batcher.submit({"input": images(5)})
+        with pytest.raises(InputError, match="priority"):
+            batcher.submit({"input": images(1)}, priority=7)
+        await batcher.stop()
+
+    asyncio.run(main())
+
+
+def test_policy_validation_names_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        BatchPolicy(max_batch_size=8, preferred_batch_sizes=(16,))
+    assert info.value.fields["key"] == "serving.preferred_batch_sizes"
+    with pytest.raises(ConfigError):
+        BatchPolicy(priority_levels=1, default_priority_level=2)
