@@ -420,10 +420,8 @@ class Batcher:
         try:
             staged = await loop.run_in_executor(instance.stage_pool, _stage, instance.backend, batch)
             instance.running = True
-            started = time.monotonic()
-            outputs = await loop.run_in_executor(instance.run_pool, _run_and_split,
-                                                 instance.backend, staged, batch)
-            compute_s = time.monotonic() - started
+            outputs, compute_s = await loop.run_in_executor(instance.run_pool, _run_and_split,
+                                                            instance.backend, staged, batch)
         except Exception as exc:  # the batch's requests get the error, not the loop
             error = exc if isinstance(exc, AgentError) else AgentError(
                 f"inference failed: {type(exc).__name__}: {exc}")
@@ -497,9 +495,14 @@ def _stage(backend: Backend, batch: list[_Request]) -> Any:
     return staged
 
 
-def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]) -> list[dict[str, np.ndarray]]:
-    """Run a staged batch and cut the outputs into owned per-request arrays (worker thread)."""
+def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]
+                   ) -> tuple[list[dict[str, np.ndarray]], float]:
+    """Run a staged batch and cut the outputs into owned per-request arrays (worker thread).
+    Also returns the compute time, measured here so that a staged batch's wait for the running
+    one is not counted."""
+    started = time.monotonic()
     outputs = backend.run(staged)
+    compute_s = time.monotonic() - started
     results: list[dict[str, np.ndarray]] = []
     row = 0
     for request in batch:
@@ -507,4 +510,4 @@ def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]) -> list
         results.append({name: np.array(value[row:row + rows], copy=True)
                         for name, value in outputs.items()})
         row += rows
-    return results
+    return results, compute_s

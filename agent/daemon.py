@@ -22,11 +22,16 @@ from typing import Any
 import numpy as np
 
 from agent.api.server import InferenceServer
-from agent.backends import BackendOptions, ModelArtifacts, backend_class, resolve_backend_name
+from agent.backends import (
+    BackendOptions,
+    ModelArtifacts,
+    backend_class,
+    resolve_backend_name,
+)
 from agent.backends.base import Backend
 from agent.batcher import BatchPolicy
 from agent.config import AgentConfig
-from agent.errors import AgentError, StoreError
+from agent.errors import StoreError
 from agent.metrics import ServingMetrics
 from agent.serving import ModelService
 from agent.store import ModelStore
@@ -54,13 +59,20 @@ def batch_policy(config: AgentConfig, artifacts: ModelArtifacts) -> BatchPolicy:
     )
 
 
-def backend_options(config: AgentConfig, max_batch: int) -> BackendOptions:
+def backend_options(config: AgentConfig, max_batch: int, instances: int) -> BackendOptions:
     serving, trt = config.serving, config.tensorrt
     return BackendOptions(
         max_batch_size=max_batch,
-        threads=serving.threads_per_instance(os.cpu_count() or 1),
-        extra={"workspace_mib": trt.workspace_mib, "dla_core": trt.dla_core,
-               "optimization_level": trt.optimization_level, "fp16": trt.fp16},
+        threads=serving.threads_per_instance(os.cpu_count() or 1, instances),
+        extra={
+            # TensorRT engine builds (the names of EngineBuildConfig's fields).
+            "workspace_bytes": trt.workspace_mib << 20,
+            "dla_core": None if trt.dla_core < 0 else trt.dla_core,
+            "optimization_level": trt.optimization_level,
+            "fp16": trt.fp16,
+            # ONNX Runtime.
+            "allow_spinning": serving.cpu_spin,
+        },
     )
 
 
@@ -99,10 +111,11 @@ def start_backends(config: AgentConfig, artifacts: ModelArtifacts,
     already made and re-raise."""
     name = resolve_backend_name(config.serving.backend)
     cls = backend_class(name)
-    options = backend_options(config, policy.max_batch_size)
+    instances = config.serving.resolved_instances(name, os.cpu_count() or 1)
+    options = backend_options(config, policy.max_batch_size, instances)
     backends: list[Backend] = []
     try:
-        for _ in range(config.serving.instances):
+        for _ in range(instances):
             backend = cls(artifacts, options)
             backends.append(backend)
             backend.activate()
@@ -139,11 +152,13 @@ class Daemon:
 
     async def start(self) -> int:
         """Load the current model and start the HTTP API; returns the port."""
-        artifacts = self.store.current()
-        if artifacts is None:
+        current = self.store.current()
+        if current is None:
             raise StoreError("no model installed: install a bundle with "
                              "'edge-agent serve --bundle B --pubkey PUB'",
                              state_dir=self.config.state_dir)
+        # Re-verify signature and hashes: the disk may have changed since install (power loss).
+        artifacts = self.store.load(current.name, current.version)
         policy = batch_policy(self.config, artifacts)
         loop = asyncio.get_running_loop()
         backends = await loop.run_in_executor(None, start_backends, self.config, artifacts, policy)
@@ -198,8 +213,5 @@ def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
         log.info("stopping: draining in-flight requests")
         await daemon.stop()
 
-    try:
-        asyncio.run(main())
-    except AgentError:
-        raise
+    asyncio.run(main())
     return 0

@@ -6,7 +6,15 @@ server owns its own registry, so several servers (tests, a blue-green pair) neve
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServingMetrics"]
@@ -49,36 +57,50 @@ class ServingMetrics:
         self._inflight = Gauge(
             "edge_agent_requests_in_flight", "Requests received and not yet answered", labels,
             registry=self.registry)
+        # labels() costs a lookup and a lock per call; the serving path resolves them once.
+        self._outcomes: dict[str, Any] = {}
+        self._request_child = self._request_seconds.labels(model)
+        self._queue_child = self._queue_seconds.labels(model)
+        self._compute_child = self._compute_seconds.labels(model)
+        self._batch_child = self._batch_size.labels(model)
+        self._depth_child = self._queue_depth.labels(model)
+        self._inflight_child = self._inflight.labels(model)
+
+    def _outcome(self, outcome: str) -> Any:
+        child = self._outcomes.get(outcome)
+        if child is None:
+            child = self._outcomes[outcome] = self._requests.labels(self.model, outcome)
+        return child
 
     # -- the batcher's observer ---------------------------------------------------------
 
     def request_done(self, outcome: str, *, queue_s: float, compute_s: float,
                      total_s: float) -> None:
-        self._requests.labels(self.model, outcome).inc()
+        self._outcome(outcome).inc()
         if outcome == "success":
-            self._queue_seconds.labels(self.model).observe(queue_s)
-            self._compute_seconds.labels(self.model).observe(compute_s)
+            self._queue_child.observe(queue_s)
+            self._compute_child.observe(compute_s)
 
     def batch_done(self, batch_size: int, compute_s: float) -> None:
-        self._batch_size.labels(self.model).observe(batch_size)
+        self._batch_child.observe(batch_size)
 
     def queue_depth(self, depth: int) -> None:
-        self._queue_depth.labels(self.model).set(depth)
+        self._depth_child.set(depth)
 
     # -- the HTTP layer -----------------------------------------------------------------
 
     def request_rejected(self, outcome: str) -> None:
         """A request that never reached the batcher (bad input, full queue, not ready)."""
-        self._requests.labels(self.model, outcome).inc()
+        self._outcome(outcome).inc()
 
     def observe_request(self, total_s: float) -> None:
-        self._request_seconds.labels(self.model).observe(total_s)
+        self._request_child.observe(total_s)
 
     def set_model_version(self, version: int) -> None:
         self._model_version.labels(self.model).set(version)
 
     def inflight(self, delta: int) -> None:
-        self._inflight.labels(self.model).inc(delta)
+        self._inflight_child.inc(delta)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.backends.base import Backend, TensorInfo
-from agent.batcher import BatchPolicy, Batcher
+from agent.batcher import Batcher, BatchPolicy
 from agent.metrics import ServingMetrics
 
 

@@ -25,9 +25,11 @@ def create_session(
     threads: int = 2,
     profile: bool = False,
     providers: Sequence[str] = ("CPUExecutionProvider",),
+    spin: bool = True,
 ) -> Any:
     """An ``onnxruntime.InferenceSession`` with ``threads`` intra-op threads (0 = ORT's default)
-    on the given execution providers (CPU by default)."""
+    on the given execution providers (CPU by default); ``spin=False`` lets idle worker threads
+    sleep instead of busy-waiting."""
     ort = require("onnxruntime", extra="device", purpose="running ONNX models")
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -35,6 +37,11 @@ def create_session(
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
     options.enable_profiling = profile
+    if not spin:
+        # Idle intra-op threads busy-wait for the next op by default. Alone on a machine that is
+        # fastest, but beside a server's event loop on few cores the spinning steals the CPU the
+        # loop needs (2 cores, ResNet-18 INT8 over HTTP at concurrency 64: 228 -> 325 req/s).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     source = str(model) if isinstance(model, Path) else model
     return ort.InferenceSession(
         source,

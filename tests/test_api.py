@@ -18,13 +18,13 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 http = pytest.importorskip("tritonclient.http")
-from tritonclient.utils import InferenceServerException  # noqa: E402
+from tritonclient.utils import InferenceServerException
 
-from agent.backends.base import BackendOptions  # noqa: E402
-from agent.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
-from agent.batcher import BatchPolicy  # noqa: E402
-from tests.serving_fixtures import ServerThread  # noqa: E402
-from tests.tiny_models import (  # noqa: E402
+from agent.backends.base import BackendOptions
+from agent.backends.onnxruntime import OnnxRuntimeBackend
+from agent.batcher import BatchPolicy
+from tests.serving_fixtures import ServerThread
+from tests.tiny_models import (
     GatedBackend,
     artifacts_for,
     reference_logits,
@@ -263,7 +263,7 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(
         body, length = b'{"inputs": []}', ""
     if length:
         headers["Inference-Header-Content-Length"] = length
-    code, response_headers, payload = post(server, path, body, headers)
+    code, _, payload = post(server, path, body, headers)
     assert code == status, payload
     assert message in json.loads(payload)["error"]
     assert_serving(client, model_path)

@@ -1,7 +1,9 @@
-"""The engine builder type-checks against the TensorRT stubs (no TensorRT can run here).
+"""The engine builder and the TensorRT backend type-check against the TensorRT stubs (no TensorRT
+can run here).
 
 mypy runs with the repaired ``tensorrt-stubs`` (tools/trt_stubs.py) on its path, so every
-``trt.*`` call in models/tensorrt_builder.py is checked for names, argument types and returns. A
+``trt.*`` call in models/tensorrt_builder.py and agent/backends/tensorrt.py (with its buffers,
+agent/backends/cuda_buffers.py) is checked for names, argument types and returns. A
 second run on a deliberately wrong call proves the stubs were really in use (an unresolved
 ``tensorrt`` would make everything ``Any`` and pass silently).
 """
@@ -53,6 +55,12 @@ def test_builder_type_checks_against_the_stubs(mypy_config: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_backend_type_checks_against_the_stubs(mypy_config: Path) -> None:
+    backends = REPO / "agent" / "backends"
+    result = _mypy(mypy_config, backends / "tensorrt.py", backends / "cuda_buffers.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_the_stubs_are_really_used(mypy_config: Path, tmp_path: Path) -> None:
     wrong = tmp_path / "wrong_trt_use.py"
     wrong.write_text(
@@ -60,8 +68,11 @@ def test_the_stubs_are_really_used(mypy_config: Path, tmp_path: Path) -> None:
         "config = trt.Builder(trt.Logger()).create_builder_config()\n"
         "config.set_flag(1)\n"
         "config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, size=1)\n"
+        "context = trt.Runtime(trt.Logger()).deserialize_cuda_engine(b'').create_execution_context()\n"
+        "context.set_tensor_address('images', 'not an address')\n"
     )
     result = _mypy(mypy_config, wrong)
     assert result.returncode == 1, result.stdout + result.stderr
     assert '"set_flag" of "IBuilderConfig" has incompatible type "int"' in result.stdout
     assert 'Unexpected keyword argument "size"' in result.stdout
+    assert '"set_tensor_address" of "IExecutionContext" has incompatible type "str"' in result.stdout

@@ -8,6 +8,7 @@ where; the server answers it with a 4xx and keeps serving.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -113,7 +114,7 @@ def decode_request(body: bytes, header_length: str | None, model_inputs: Sequenc
             raise RequestError("each input must be a JSON object", index=index)
         name = entry.get("name")
         info = by_name.get(name) if isinstance(name, str) else None
-        if info is None:
+        if info is None or not isinstance(name, str):
             raise RequestError("unknown input", input=name, expected=sorted(by_name))
         if name in inputs:
             raise RequestError("input given twice", input=name)
@@ -165,7 +166,7 @@ def _decode_input(entry: Mapping[str, Any], info: TensorInfo, binary: memoryview
     except InputError as exc:
         raise RequestError(exc.message, **exc.fields) from None
     dtype = info.dtype
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     byte_size = count * dtype.itemsize
     parameters = _parameters(entry, f"input {name}")
     region = parameters.get("shared_memory_region")
@@ -268,8 +269,8 @@ def encode_response(request: InferRequest, outputs: Mapping[str, np.ndarray], *,
                                    "shared_memory_byte_size": array.nbytes}
         elif wanted.binary if wanted.binary is not None else request.binary_output:
             entry["parameters"] = {"binary_data_size": array.nbytes}
-            chunks.append(memoryview(array.astype(array.dtype.newbyteorder("<"), copy=False))
-                          .cast("B"))
+            little_endian = array.astype(array.dtype.newbyteorder("<"), copy=False)
+            chunks.append(little_endian.reshape(-1).view(np.uint8).data)
         else:
             entry["data"] = array.ravel().tolist()
         header_outputs.append(entry)

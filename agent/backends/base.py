@@ -160,7 +160,7 @@ class StagedBatch:
         if on_release is not None:
             on_release(self.slot)
 
-    def __enter__(self) -> StagedBatch:
+    def __enter__(self) -> StagedBatch:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -215,7 +215,7 @@ class Backend(ABC):
     def active(self) -> bool:
         return self._active
 
-    def __enter__(self) -> Backend:
+    def __enter__(self) -> Backend:  # noqa: PYI034 - typing.Self needs Python 3.11
         self.activate()
         return self
 

@@ -91,7 +91,7 @@ class OnnxRuntimeBackend(Backend):
     """One ONNX Runtime session with its buffer sets.
 
     ``options.extra``: ``providers`` (a list of ORT execution provider names) to override the
-    automatic choice.
+    automatic choice; ``allow_spinning`` (default False) to let idle intra-op threads busy-wait.
     """
 
     kind = "onnxruntime"
@@ -122,7 +122,8 @@ class OnnxRuntimeBackend(Backend):
         self._providers = choose_providers(ort.get_available_providers(),
                                            self.options.extra.get("providers"))
         try:
-            session = create_session(path, threads=self.options.threads, providers=self._providers)
+            session = create_session(path, threads=self.options.threads, providers=self._providers,
+                                     spin=bool(self.options.extra.get("allow_spinning", False)))
         except Exception as exc:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
             raise ModelError(f"ONNX Runtime cannot load the model: {exc}", path=path) from exc
         try:
@@ -209,7 +210,6 @@ class OnnxRuntimeBackend(Backend):
         produced = binding.get_outputs()
         results: dict[str, np.ndarray] = {}
         for info, value in zip(self._outputs, produced):
-            results[info.name] = preallocated.get(info.name)
-            if results[info.name] is None:
-                results[info.name] = value.numpy()
+            mine = preallocated.get(info.name)
+            results[info.name] = value.numpy() if mine is None else mine
         return results

@@ -26,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pipeline.add_argument("--rounds", type=int, default=3,
                           help="interleaved timing rounds (spreads machine noise over variants)")
     pipeline.set_defaults(handler=run_pipeline)
+    register_serve(kinds)
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
@@ -47,4 +48,47 @@ def run_pipeline(args: argparse.Namespace) -> int:
     else:
         print(json.dumps({key: value for key, value in summary.items()
                           if not isinstance(value, (dict, list))}, indent=2))
+    return 0
+
+
+def register_serve(kinds: argparse._SubParsersAction) -> None:
+    serve = kinds.add_parser(
+        "serve",
+        help="the serving path vs its raw backend: concurrency sweep, Poisson load, RSS",
+    )
+    serve.add_argument("--bundle", type=Path, required=True)
+    serve.add_argument("--pubkey", type=Path, action="append", required=True, metavar="PUB")
+    serve.add_argument("--config", type=Path, metavar="FILE",
+                       help="daemon configuration (batching, backend, threads)")
+    serve.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
+    serve.add_argument("--input-size", type=int, default=224, metavar="PIXELS",
+                       help="height and width of the frames sent (default 224)")
+    serve.add_argument("--concurrency", default="1,4,16,64", metavar="LIST")
+    serve.add_argument("--duration", type=float, default=10.0, metavar="SECONDS",
+                       help="measured window per level")
+    serve.add_argument("--warmup", type=float, default=2.0, metavar="SECONDS")
+    serve.add_argument("--rounds", type=int, default=3,
+                       help="interleaved raw-backend / top-concurrency pairs for the efficiency")
+    serve.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from agent.bench_serve import (
+        ServeBenchOptions,
+        format_summary,
+        parse_levels,
+        run_bench,
+        write_json,
+    )
+
+    options = ServeBenchOptions(
+        bundle=args.bundle, public_keys=tuple(args.pubkey), config=args.config,
+        input_size=args.input_size, concurrency=parse_levels(args.concurrency),
+        duration_s=args.duration, warmup_s=args.warmup, rounds=args.rounds,
+    )
+    summary = run_bench(options)
+    print(format_summary(summary))
+    if args.json:
+        write_json(summary, args.json)
+        print(f"wrote {args.json}")
     return 0

@@ -1,8 +1,9 @@
-"""A strict stand-in for the ``tensorrt`` module: the engine-build API of 8.5.x, 8.6.x, 10.x and 11.x.
+"""A strict stand-in for the ``tensorrt`` module: the engine-build and runtime APIs of 8.5.x,
+8.6.x, 10.x and 11.x.
 
 ``make_fake_tensorrt("10.3.0")`` returns a module object to put in ``sys.modules["tensorrt"]``. It
-emulates only what an ONNX-to-engine build uses, and it is strict so that a call which would fail
-on a board fails here too:
+emulates only what an ONNX-to-engine build and the name-based runtime use, and it is strict so that
+a call which would fail on a board fails here too:
 
 * Objects have ``__slots__`` and no constructor where TensorRT has none, so an attribute TensorRT
   does not have cannot be set or read (``layer.precision`` on 11.x raises AttributeError).
@@ -17,21 +18,37 @@ on a board fails here too:
 * ``Builder.build_serialized_network`` checks the profile against the network, and returns a
   "plan" that is JSON recording what was configured (flags, profile, per-layer precision, DLA,
   workspace, timing-cache hits) - :func:`decode_plan` reads it back - or ``None`` with an ERROR
-  on the logger, as TensorRT does.
+  on the logger, as TensorRT does. The plan also carries the I/O tensors and the ONNX model.
+* ``Runtime.deserialize_cuda_engine`` refuses (``None`` and an ERROR) a plan that is not a plan, or
+  one made by another TensorRT version or for another compute capability. The engine computes:
+  ``execute_async_v3`` reads the inputs at the addresses given to ``set_tensor_address``, runs the
+  model with ONNX Runtime and writes the outputs back. Addresses must lie in memory the fake GPU
+  can reach (:class:`FakeGpu`: what :class:`FakeCudaDevice`, a host-memory stand-in for pycuda,
+  allocated as device or mapped memory), so a wrong pointer fails the launch. Shapes are checked
+  against the profile; output shapes come from ONNX shape inference. Runtime, engine and context
+  objects are counted while alive (``FakeState.live``).
 
 Test knobs and records live on ``fake._state`` (:class:`FakeState`).
 """
 
 from __future__ import annotations
 
+import base64
+import ctypes
 import json
 import sys
+import threading
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import TensorProto
+
+from agent.backends.cuda_buffers import DeviceMemory, HostMemory
 
 PLAN_MAGIC = b"FAKE-TRT-PLAN\n"
 CACHE_MAGIC = b"FAKE-TRT-TIMING-CACHE\n"
@@ -145,6 +162,198 @@ _BUILDER_FLAGS_10 = (
 _BUILDER_FLAGS_11 = tuple(flag for flag in _BUILDER_FLAGS_10 if flag not in _WEAK_TYPING_FLAGS)
 
 
+class FakeGpu:
+    """What the fake GPU can address (live device allocations and mapped host memory) and which
+    streams exist.
+
+    The fake engine reads its inputs from, and writes its outputs to, the addresses given to
+    ``set_tensor_address``; an address outside every live region (a host pointer where a device one
+    was due, a freed buffer, a buffer too small) fails the launch instead of touching memory.
+    """
+
+    def __init__(self) -> None:
+        self._regions: dict[int, int] = {}  # start address -> bytes
+        self._streams: set[int] = set()
+        self._next_stream = 0x5000
+        self._lock = threading.Lock()
+
+    def map(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            self._regions[address] = nbytes
+
+    def unmap(self, address: int) -> None:
+        with self._lock:
+            if self._regions.pop(address, None) is None:
+                raise RuntimeError(f"fake GPU: {address:#x} freed twice or never allocated")
+
+    def covers(self, address: int, nbytes: int) -> bool:
+        with self._lock:
+            return any(
+                start <= address and address + nbytes <= start + size
+                for start, size in self._regions.items()
+            )
+
+    def open_stream(self) -> int:
+        with self._lock:
+            self._next_stream += 0x10
+            self._streams.add(self._next_stream)
+            return self._next_stream
+
+    def adopt_stream(self, handle: int) -> None:
+        """Accept a stream made elsewhere (a real CUDA stream, when the fake engine runs on one)."""
+        with self._lock:
+            self._streams.add(handle)
+
+    def close_stream(self, handle: int) -> None:
+        with self._lock:
+            self._streams.remove(handle)
+
+    def stream_is_open(self, handle: int) -> bool:
+        with self._lock:
+            return handle in self._streams
+
+    @property
+    def live_regions(self) -> int:
+        return len(self._regions)
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+
+class FakeCudaStream:
+    """A stream of :class:`FakeCudaDevice`; work on it runs at once, in call order."""
+
+    def __init__(self, device: FakeCudaDevice, handle: int) -> None:
+        self.device = device
+        self._handle: int | None = handle
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise RuntimeError("fake CUDA: stream used after close()")
+        return self._handle
+
+    def synchronize(self) -> None:
+        self.device.require_current("cuStreamSynchronize")
+        self.handle  # noqa: B018 - raises when closed
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self.device.require_current("cuStreamDestroy")
+            self.device.gpu.close_stream(handle)
+
+
+class FakeCudaDevice:
+    """A stand-in for agent.backends.cuda_buffers.PycudaDevice on host memory (no CUDA needed).
+
+    "Device" memory is host memory that only the fake GPU (:class:`FakeGpu`) and the copy calls
+    reach; mapped host memory is registered with the fake GPU too, as zero copy works on a board.
+    Fresh buffers are filled with 0xFF bytes (NaN in float32), so a result that skipped a copy
+    shows. Every call but ``scope``, ``close`` and the frees needs ``scope()`` active on the calling
+    thread, as CUDA needs a current context.
+    """
+
+    def __init__(
+        self,
+        gpu: FakeGpu,
+        *,
+        integrated: bool,
+        compute_capability: str = "8.7",
+        can_map_host_memory: bool = True,
+        name: str = "Fake Orin",
+    ) -> None:
+        self.gpu = gpu
+        self.name = name
+        self.compute_capability = compute_capability
+        self.integrated = integrated
+        self.can_map_host_memory = can_map_host_memory
+        self.closed = False
+        self.copies: list[tuple[str, int]] = []  # ("to_device" | "to_host", bytes)
+        self.allocations = 0  # live host and device allocations
+        self._local = threading.local()
+        self._backing: dict[int, np.ndarray] = {}
+
+    def _depth(self) -> int:
+        return int(getattr(self._local, "depth", 0))
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        if self.closed:
+            raise RuntimeError("fake CUDA: device used after close()")
+        self._local.depth = self._depth() + 1
+        try:
+            yield
+        finally:
+            self._local.depth = self._depth() - 1
+
+    def require_current(self, call: str) -> None:
+        if self.closed or self._depth() == 0:
+            raise RuntimeError(f"fake CUDA: {call} without a current context")
+
+    def create_stream(self) -> FakeCudaStream:
+        self.require_current("cuStreamCreate")
+        return FakeCudaStream(self, self.gpu.open_stream())
+
+    def _allocate(self, nbytes: int, *, on_gpu: bool) -> tuple[np.ndarray, Any]:
+        if nbytes <= 0:
+            raise RuntimeError("fake CUDA: allocations must not be empty")
+        array = np.full(nbytes, 0xFF, dtype=np.uint8)
+        address = int(array.ctypes.data)
+        if on_gpu:
+            self.gpu.map(address, nbytes)
+        self._backing[address] = array
+        self.allocations += 1
+        freed = False
+
+        def free() -> None:
+            nonlocal freed
+            if freed:
+                return
+            freed = True
+            if on_gpu:
+                self.gpu.unmap(address)
+            del self._backing[address]
+            self.allocations -= 1
+
+        return array, free
+
+    def alloc_host(self, nbytes: int, *, mapped: bool) -> HostMemory:
+        self.require_current("cuMemHostAlloc")
+        array, free = self._allocate(nbytes, on_gpu=mapped)
+        return HostMemory(array=array, device_ptr=int(array.ctypes.data) if mapped else None, free=free)
+
+    def alloc_device(self, nbytes: int) -> DeviceMemory:
+        self.require_current("cuMemAlloc")
+        array, free = self._allocate(nbytes, on_gpu=True)
+        return DeviceMemory(ptr=int(array.ctypes.data), nbytes=nbytes, free=free)
+
+    def _check_copy(self, call: str, address: int, host: np.ndarray, stream: Any) -> None:
+        self.require_current(call)
+        if not isinstance(stream, FakeCudaStream) or stream.device is not self:
+            raise RuntimeError(f"fake CUDA: {call} on a stream of another device")
+        if not self.gpu.stream_is_open(stream.handle):
+            raise RuntimeError(f"fake CUDA: {call} on a destroyed stream")
+        if not host.flags.c_contiguous:
+            raise RuntimeError(f"fake CUDA: {call} needs a contiguous host buffer")
+        if not self.gpu.covers(address, host.nbytes):
+            raise RuntimeError(f"fake CUDA: {call} to {address:#x} outside device memory")
+
+    def copy_to_device_async(self, dst_ptr: int, src: np.ndarray, stream: Any) -> None:
+        self._check_copy("cuMemcpyHtoDAsync", dst_ptr, src, stream)
+        ctypes.memmove(dst_ptr, src.ctypes.data, src.nbytes)
+        self.copies.append(("to_device", src.nbytes))
+
+    def copy_to_host_async(self, dst: np.ndarray, src_ptr: int, stream: Any) -> None:
+        self._check_copy("cuMemcpyDtoHAsync", src_ptr, dst, stream)
+        ctypes.memmove(dst.ctypes.data, src_ptr, dst.nbytes)
+        self.copies.append(("to_host", dst.nbytes))
+
+    def close(self) -> None:
+        self.closed = True
+
+
 @dataclass
 class FakeState:
     """What a test can set (before building) or read (after) on ``fake._state``."""
@@ -157,6 +366,11 @@ class FakeState:
     compute_capability: str = "8.7"
     plugins_initialised: bool = False
     builds: list[dict[str, Any]] = field(default_factory=list)
+    # The runtime side: what the fake engine may address, how many runtime objects are alive
+    # (by class name), and how many batches ran.
+    gpu: FakeGpu = field(default_factory=FakeGpu)
+    live: dict[str, int] = field(default_factory=dict)
+    executions: int = 0
 
 
 def decode_plan(plan: bytes) -> dict[str, Any]:
@@ -254,6 +468,38 @@ def _make_enum(name: str, members: tuple[str, ...] | dict[str, int]) -> Any:
         setattr(cls, member_name, member)
         cls.__members__[member_name] = member
     return cls
+
+
+# TensorRT DataType member -> numpy dtype, for the fake engine's I/O.
+_NUMPY_OF = {
+    "FLOAT": np.float32,
+    "HALF": np.float16,
+    "INT8": np.int8,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+}
+
+
+def _output_shapes(model: bytes, input_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The model's output shapes for these input shapes, by ONNX shape inference (-1 where it
+    cannot tell, as for a data-dependent shape)."""
+    proto = onnx.load_model_from_string(model)
+    for value in proto.graph.input:
+        if value.name in input_shapes:
+            for dim, extent in zip(value.type.tensor_type.shape.dim, input_shapes[value.name], strict=True):
+                dim.Clear()
+                dim.dim_value = extent
+    for value in proto.graph.output:
+        value.type.tensor_type.ClearField("shape")
+    inferred = onnx.shape_inference.infer_shapes(proto).graph
+    return {
+        value.name: tuple(
+            dim.dim_value if dim.HasField("dim_value") else -1 for dim in value.type.tensor_type.shape.dim
+        )
+        for value in inferred.output
+    }
 
 
 def _as_shape(value: object, function: str, parameter: str) -> tuple[int, ...]:
@@ -554,6 +800,7 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
             "_suffix",
             "_parsed",
             "_name",
+            "_model",
         )
         _flags: int
         _explicit_batch: bool
@@ -565,6 +812,7 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
         _suffix: int
         _parsed: bool
         _name: str
+        _model: bytes | None
         __init__ = _no_constructor
 
         @property
@@ -882,6 +1130,7 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
                     )
                 network.mark_output(known[value.name])
             network._parsed = True
+            network._model = bytes(model)
             return True
 
     # -- builder configuration -----------------------------------------------------------------------
@@ -1147,6 +1396,7 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
                 _suffix=0,
                 _parsed=False,
                 _name="network",
+                _model=None,
             )
 
         def create_builder_config(self) -> Any:
@@ -1302,6 +1552,18 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
                 for profile in config._profiles
             ],
             "inputs": {tensor._name: list(tensor._shape) for tensor in network._inputs},
+            "compute_capability": state.compute_capability,
+            "io": [
+                {
+                    "name": tensor._name,
+                    "mode": mode,
+                    "dtype": tensor._dtype.name,
+                    "shape": list(tensor._shape),
+                }
+                for mode, tensors in (("INPUT", network._inputs), ("OUTPUT", network._outputs))
+                for tensor in tensors
+            ],
+            "onnx": base64.b64encode(network._model or b"").decode("ascii"),
             "layers": layers,
             "timing_cache": timing,
             "plugins_initialised": state.plugins_initialised,
@@ -1310,6 +1572,307 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
             record["optimization_level"] = config._optimization_level
         _emit(logger, "INFO", f"Engine built with {len(layers)} layers")
         return record
+
+    # -- runtime -----------------------------------------------------------------------------------
+    TensorIOMode = _make_enum("TensorIOMode", {"NONE": 0, "INPUT": 1, "OUTPUT": 2})
+
+    def _track(obj: Any) -> None:
+        name = type(obj).__qualname__
+        state.live[name] = state.live.get(name, 0) + 1
+        object.__setattr__(obj, "_tracked", True)
+
+    def _untrack(obj: Any) -> None:
+        # Objects are counted while alive, so a test can see that nothing outlives a deactivate.
+        if getattr(obj, "_tracked", False):
+            object.__setattr__(obj, "_tracked", False)
+            state.live[type(obj).__qualname__] -= 1
+
+    class Runtime:
+        __slots__ = ("_logger", "_tracked")
+
+        def __init__(self, logger: Any) -> None:
+            _check_logger("Runtime.__init__", logger)
+            self._logger = logger
+            _track(self)
+
+        def __del__(self) -> None:
+            _untrack(self)
+
+        def deserialize_cuda_engine(self, serialized_engine: Any) -> Any:
+            if not isinstance(serialized_engine, (bytes, bytearray, memoryview)):
+                raise _incompatible(
+                    "Runtime.deserialize_cuda_engine", "serialized_engine", serialized_engine, "buffer"
+                )
+            try:
+                record = decode_plan(bytes(serialized_engine))
+                io = [
+                    (entry["name"], entry["mode"], entry["dtype"], tuple(entry["shape"]))
+                    for entry in record["io"]
+                ]
+                model = base64.b64decode(record["onnx"])
+            except (ValueError, KeyError, TypeError):
+                # deserializeCudaEngine returns nullptr on a plan it cannot read.
+                _emit(
+                    self._logger,
+                    "ERROR",
+                    "IRuntime::deserializeCudaEngine: Error Code 1: Serialization "
+                    "(Serialization assertion magicTagRead == kMAGIC_TAG failed.Magic tag does not match)",
+                )
+                return None
+            if record.get("trt_version") != version:
+                _emit(
+                    self._logger,
+                    "ERROR",
+                    "IRuntime::deserializeCudaEngine: Error Code 6: API Usage Error "
+                    "(The engine plan file is not compatible with this version of TensorRT, expecting "
+                    f"library version {version} got {record.get('trt_version')}, please rebuild.)",
+                )
+                return None
+            if record.get("compute_capability") != state.compute_capability:
+                _emit(
+                    self._logger,
+                    "ERROR",
+                    "IRuntime::deserializeCudaEngine: Error Code 6: API Usage Error "
+                    "(The engine plan file is generated on an incompatible device, expecting compute "
+                    f"{state.compute_capability} got compute {record.get('compute_capability')}, "
+                    "please rebuild.)",
+                )
+                return None
+            profile: dict[str, tuple[tuple[int, ...], ...]] = {}
+            for name, mode, _dtype, shape in io:
+                if mode != "INPUT":
+                    continue
+                ranges = (record["profiles"] or [{}])[0].get(name)
+                profile[name] = (
+                    (shape, shape, shape)
+                    if ranges is None
+                    else (tuple(ranges["min"]), tuple(ranges["opt"]), tuple(ranges["max"]))
+                )
+            engine = _make(
+                ICudaEngine,
+                _io={name: (mode, getattr(DataType, dtype), shape) for name, mode, dtype, shape in io},
+                _profile=profile,
+                _model=model,
+                _session=None,
+                _shapes_cache={},
+                _logger=self._logger,
+            )
+            _track(engine)
+            return engine
+
+    class ICudaEngine:
+        __slots__ = ("_io", "_logger", "_model", "_profile", "_session", "_shapes_cache", "_tracked")
+        _io: dict[str, tuple[str, Any, tuple[int, ...]]]
+        _profile: dict[str, tuple[tuple[int, ...], ...]]
+        _model: bytes
+        _session: Any
+        _shapes_cache: dict[tuple[Any, ...], dict[str, tuple[int, ...]]]
+        _logger: Any
+        __init__ = _no_constructor
+
+        def __del__(self) -> None:
+            _untrack(self)
+
+        @property
+        def name(self) -> str:
+            return "network"
+
+        @property
+        def num_io_tensors(self) -> int:
+            return len(self._io)
+
+        @property
+        def num_optimization_profiles(self) -> int:
+            return 1
+
+        def _entry(self, function: str, name: object) -> tuple[str, Any, tuple[int, ...]] | None:
+            if not isinstance(name, str):
+                raise _incompatible(function, "name", name, "str")
+            entry = self._io.get(name)
+            if entry is None:
+                _emit(
+                    self._logger,
+                    "ERROR",
+                    f"{function}: Error Code 3: API Usage Error (tensor '{name}' "
+                    "is not an input or output of the network)",
+                )
+            return entry
+
+        def get_tensor_name(self, index: int) -> Any:
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise _incompatible("ICudaEngine.get_tensor_name", "index", index, "int")
+            names = list(self._io)
+            return names[index] if 0 <= index < len(names) else None
+
+        def get_tensor_mode(self, name: str) -> Any:
+            entry = self._entry("ICudaEngine.get_tensor_mode", name)
+            return TensorIOMode.NONE if entry is None else getattr(TensorIOMode, entry[0])
+
+        def get_tensor_dtype(self, name: str) -> Any:
+            entry = self._entry("ICudaEngine.get_tensor_dtype", name)
+            return DataType.FLOAT if entry is None else entry[1]
+
+        def get_tensor_shape(self, name: str) -> Any:
+            entry = self._entry("ICudaEngine.get_tensor_shape", name)
+            return Dims([] if entry is None else list(entry[2]))
+
+        def get_tensor_profile_shape(self, name: str, profile_index: int) -> list[Any]:
+            if isinstance(profile_index, bool) or not isinstance(profile_index, int):
+                raise _incompatible(
+                    "ICudaEngine.get_tensor_profile_shape", "profile_index", profile_index, "int"
+                )
+            entry = self._entry("ICudaEngine.get_tensor_profile_shape", name)
+            if entry is None or entry[0] != "INPUT" or profile_index != 0:
+                raise RuntimeError(
+                    f"get_tensor_profile_shape: '{name}' has no shapes in profile {profile_index}"
+                )
+            return [Dims(list(shape)) for shape in self._profile[name]]
+
+        def create_execution_context(self, strategy: Any = None) -> Any:
+            context = _make(IExecutionContext, _engine=self, _shapes={}, _addresses={})
+            _track(context)
+            return context
+
+        def _output_shapes(self, input_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+            key = tuple(sorted(input_shapes.items()))
+            if key not in self._shapes_cache:
+                self._shapes_cache[key] = _output_shapes(self._model, input_shapes)
+            return self._shapes_cache[key]
+
+        def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            if self._session is None:
+                import onnxruntime
+
+                options = onnxruntime.SessionOptions()
+                options.log_severity_level = 3
+                self._session = onnxruntime.InferenceSession(
+                    self._model, options, providers=["CPUExecutionProvider"]
+                )
+            names = [name for name, entry in self._io.items() if entry[0] == "OUTPUT"]
+            return dict(zip(names, self._session.run(names, inputs), strict=True))
+
+    class IExecutionContext:
+        __slots__ = ("_addresses", "_engine", "_shapes", "_tracked")
+        _engine: Any
+        _shapes: dict[str, tuple[int, ...]]
+        _addresses: dict[str, int]
+        __init__ = _no_constructor
+
+        def __del__(self) -> None:
+            _untrack(self)
+
+        @property
+        def engine(self) -> Any:
+            return self._engine
+
+        @property
+        def all_binding_shapes_specified(self) -> bool:
+            return all(
+                name in self._shapes for name, entry in self._engine._io.items() if entry[0] == "INPUT"
+            )
+
+        def _fail(self, message: str) -> bool:
+            _emit(self._engine._logger, "ERROR", message)
+            return False
+
+        def set_input_shape(self, name: str, shape: Any) -> bool:
+            dims = _as_shape(shape, "IExecutionContext.set_input_shape", "shape")
+            entry = self._engine._entry("IExecutionContext.set_input_shape", name)
+            if entry is None or entry[0] != "INPUT":
+                return self._fail(f"IExecutionContext::setInputShape: '{name}' is not an input tensor")
+            low, _, high = self._engine._profile[name]
+            if len(dims) != len(entry[2]) or any(
+                not lo <= dim <= hi for lo, dim, hi in zip(low, dims, high, strict=True)
+            ):
+                return self._fail(
+                    "IExecutionContext::setInputShape: Error Code 3: API Usage Error (Parameter check "
+                    f"failed, condition: satisfyProfile. Set dimension {list(dims)} for tensor {name} does "
+                    f"not satisfy any optimization profiles. Valid range: {list(low)} .. {list(high)})"
+                )
+            self._shapes[name] = dims
+            return True
+
+        def _output_shapes(self) -> dict[str, tuple[int, ...]] | None:
+            if not self.all_binding_shapes_specified:
+                return None
+            return self._engine._output_shapes(dict(self._shapes))
+
+        def get_tensor_shape(self, name: str) -> Any:
+            entry = self._engine._entry("IExecutionContext.get_tensor_shape", name)
+            if entry is None:
+                return Dims([])
+            if entry[0] == "INPUT":
+                return Dims(list(self._shapes.get(name, entry[2])))
+            outputs = self._output_shapes()
+            return Dims(list(entry[2] if outputs is None else outputs[name]))
+
+        def set_tensor_address(self, name: str, memory: int) -> bool:
+            if isinstance(memory, bool) or not isinstance(memory, int):
+                raise _incompatible("IExecutionContext.set_tensor_address", "memory", memory, "int")
+            if self._engine._entry("IExecutionContext.set_tensor_address", name) is None:
+                return False
+            self._addresses[name] = memory
+            return True
+
+        def get_tensor_address(self, name: str) -> int:
+            return self._addresses.get(name, 0)
+
+        def execute_async_v3(self, stream_handle: int) -> bool:
+            if isinstance(stream_handle, bool) or not isinstance(stream_handle, int):
+                raise _incompatible(
+                    "IExecutionContext.execute_async_v3", "stream_handle", stream_handle, "int"
+                )
+            if stream_handle == 0:
+                _emit(
+                    self._engine._logger,
+                    "WARNING",
+                    "Using default stream in enqueueV3() may lead to "
+                    "performance issues due to additional calls to cudaStreamSynchronize() by TensorRT",
+                )
+            elif not state.gpu.stream_is_open(stream_handle):
+                return self._fail("IExecutionContext::enqueueV3: CUDA error 400: invalid resource handle")
+            output_shapes = self._output_shapes()
+            if output_shapes is None:
+                return self._fail(
+                    "IExecutionContext::enqueueV3: Error Code 3: API Usage Error (Not all input "
+                    "shapes are specified)"
+                )
+            shapes = {**self._shapes, **output_shapes}
+            for name, (mode, dtype, _) in self._engine._io.items():
+                address = self._addresses.get(name)
+                if address is None:
+                    return self._fail(
+                        f"IExecutionContext::enqueueV3: Error Code 3: API Usage Error (Address "
+                        f"is not set for {mode.lower()} tensor {name})"
+                    )
+                nbytes = (
+                    int(np.prod(shapes[name], dtype=np.int64)) * np.dtype(_NUMPY_OF[dtype.name]).itemsize
+                )
+                if not state.gpu.covers(address, nbytes):
+                    return self._fail(
+                        f"IExecutionContext::enqueueV3: CUDA error 700: an illegal memory "
+                        f"access was encountered (tensor {name} at {address:#x})"
+                    )
+            inputs = {}
+            for name, (mode, dtype, _) in self._engine._io.items():
+                if mode == "INPUT":
+                    count = int(np.prod(shapes[name], dtype=np.int64))
+                    array = np.ctypeslib.as_array(
+                        (ctypes.c_char * (count * np.dtype(_NUMPY_OF[dtype.name]).itemsize)).from_address(
+                            self._addresses[name]
+                        )
+                    )
+                    inputs[name] = array.view(_NUMPY_OF[dtype.name]).reshape(shapes[name]).copy()
+            for name, value in self._engine._run(inputs).items():
+                dtype = self._engine._io[name][1]
+                result = np.ascontiguousarray(value, dtype=_NUMPY_OF[dtype.name])
+                if result.shape != shapes[name]:
+                    return self._fail(
+                        f"fake engine: output {name} is {result.shape}, expected {shapes[name]}"
+                    )
+                ctypes.memmove(self._addresses[name], result.ctypes.data, result.nbytes)
+            state.executions += 1
+            return True
 
     def init_libnvinfer_plugins(logger: Any, namespace: str) -> bool:
         _check_logger("init_libnvinfer_plugins", logger)
@@ -1340,6 +1903,10 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
         "IHostMemory": IHostMemory,
         "IBuilderConfig": IBuilderConfig,
         "Builder": Builder,
+        "TensorIOMode": TensorIOMode,
+        "Runtime": Runtime,
+        "ICudaEngine": ICudaEngine,
+        "IExecutionContext": IExecutionContext,
         "init_libnvinfer_plugins": init_libnvinfer_plugins,
     }
     aliases = {

@@ -1,0 +1,627 @@
+"""The TensorRT backend: one deserialized engine, one execution context and one CUDA stream per
+instance, with the buffers of agent/backends/cuda_buffers.py (zero copy on a Jetson).
+
+Which plan runs. An engine only loads on the TensorRT build and GPU it was made for, so plans are
+named by the device fingerprint (models/fingerprint.py) and the first that loads wins:
+
+1. the bundle's prebuilt plan for this fingerprint (``manifest["engines"]``);
+2. the plan built earlier on this device, ``<engine_cache_dir>/<fingerprint>.plan``, when its record
+   (``<fingerprint>.plan.json``: sha256 of the model and of the plan, and the build settings) still
+   matches;
+3. a build from ``model.onnx`` (models/tensorrt_builder.py: the profile from the manifest's
+   ``engine_profile``, the FP16 fallback layers from its precision plan), cached atomically with
+   its record and its timing cache. The bundle's ``timing.cache`` seeds the first build.
+
+A plan TensorRT refuses (another TensorRT build, a corrupt file) is not fatal: a bundle plan is
+skipped and a cached one deleted, each with a warning, and the engine is rebuilt. Only a plan that
+was just built and still does not load is an EngineError.
+
+I/O uses the name-based tensor API only (TensorRT 8.5 and later; the only one in 10.x and 11.x):
+``set_input_shape`` and ``set_tensor_address`` per tensor, then ``execute_async_v3`` on this
+instance's stream.
+
+``options.extra`` keys: ``host_memory`` (``auto``, ``mapped`` or ``pinned``; see
+cuda_buffers.choose_host_memory) and the engine build settings ``workspace_bytes``, ``dla_core``,
+``gpu_fallback``, ``optimization_level``, ``strict_precision`` (models.tensorrt_builder.
+EngineBuildConfig, which validates them). Other keys are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from agent.backends.base import (
+    Backend,
+    BackendOptions,
+    ModelArtifacts,
+    StagedBatch,
+    TensorInfo,
+    datatype_of,
+)
+from agent.backends.cuda_buffers import (
+    BufferPool,
+    CudaDevice,
+    CudaStream,
+    PycudaDevice,
+    TensorSpec,
+    choose_host_memory,
+)
+from agent.deps import require
+from agent.errors import EngineError, InputError, InternalError, MissingDependencyError
+from agent.fsutil import atomic_write_bytes, atomic_write_text
+from models.fingerprint import DeviceFingerprint, read_l4t_release
+from models.tensorrt_builder import EngineBuildConfig, build_engine
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+log = logging.getLogger(__name__)
+
+BUILD_OPTION_KEYS = (
+    "workspace_bytes", "dla_core", "gpu_fallback", "optimization_level", "strict_precision", "fp16",
+)
+PROFILE_AXES = ("batch", "height", "width")
+_PURPOSE = "the TensorRT backend (TensorRT comes with JetPack, e.g. the python3-libnvinfer package)"
+
+# TensorRT DataType member names -> numpy; the others (BF16, FP8, INT4, ...) have no numpy dtype.
+_NUMPY_DTYPES = {
+    "FLOAT": np.float32,
+    "HALF": np.float16,
+    "INT8": np.int8,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+}
+
+
+def _import_tensorrt() -> ModuleType:
+    module = require("tensorrt", extra="", purpose=_PURPOSE)
+    if not hasattr(module, "Runtime"):
+        # pip's tensorrt-stubs installs a bare tensorrt/ folder of .pyi files, which Python imports
+        # as an empty namespace package: that is not TensorRT.
+        raise MissingDependencyError(
+            "tensorrt", "", _PURPOSE + "; the importable 'tensorrt' is an empty namespace package "
+            "(e.g. left by tensorrt-stubs)")
+    return module
+
+
+def _dims(dims: trt.Dims) -> tuple[int, ...]:
+    # Dims supports len() and indexing; the stubs declare no __iter__.
+    return tuple(int(dims[index]) for index in range(len(dims)))
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# What to build
+
+
+def engine_build_config(artifacts: ModelArtifacts, extra: Mapping[str, Any], *,
+                        timing_cache_path: Path | None = None) -> EngineBuildConfig:
+    """The engine build for a bundle on this device: shapes from the manifest's ``engine_profile``
+    (``batch``, ``height``, ``width``: ``[min, opt, max]``; without one, batch 1 to ``max_batch``
+    tuned at ``opt_batch``), FP16 fallback layers from its precision plan, device settings from
+    ``extra`` (:data:`BUILD_OPTION_KEYS`).
+
+    Raises:
+        EngineError: the manifest's profile or layouts are malformed.
+        ConfigError: a build setting is invalid (names the key).
+    """
+    manifest = artifacts.manifest
+    profile = manifest.get("engine_profile") or {"batch": [1, artifacts.opt_batch, artifacts.max_batch]}
+    if not isinstance(profile, Mapping):
+        raise EngineError("manifest engine_profile must be an object", found=repr(profile))
+    values: dict[str, Any] = {}
+    for axis in PROFILE_AXES:
+        span = profile.get(axis)
+        if span is None and axis == "batch":
+            span = [1, artifacts.opt_batch, artifacts.max_batch]
+        if span is None:
+            continue
+        if not isinstance(span, (list, tuple)) or len(span) != 3:
+            raise EngineError(f"manifest engine_profile.{axis} must be [min, opt, max]", found=repr(span))
+        values.update(zip((f"min_{axis}", f"opt_{axis}", f"max_{axis}"), span, strict=True))
+    layouts = sorted({str(tensor["layout"]) for tensor in manifest.get("inputs") or ()
+                      if isinstance(tensor, Mapping) and tensor.get("layout")})
+    if len(layouts) > 1:
+        raise EngineError("inputs with different layouts cannot share one build profile", found=layouts)
+    if layouts:
+        values["layout"] = layouts[0]
+    precision = manifest.get("precision") or {}
+    values["fp16_layers"] = tuple(precision.get("fp16_layers") or ())
+    if precision.get("fp32_layers"):
+        # The builder pins FP16 fallback layers only; FP32 ones are left to TensorRT's choice.
+        log.warning("the precision plan's FP32 layers are not enforced in the TensorRT build: %s",
+                    ", ".join(precision["fp32_layers"]))
+    values.update({key: extra[key] for key in BUILD_OPTION_KEYS if key in extra})
+    return EngineBuildConfig(**values, timing_cache_path=timing_cache_path)
+
+
+def _build_settings(config: EngineBuildConfig) -> dict[str, Any]:
+    """The settings that make one plan differ from another, as JSON values."""
+    settings = dataclasses.asdict(config)
+    settings.pop("timing_cache_path")
+    settings["fp16_layers"] = list(config.fp16_layers)
+    return settings
+
+
+# --------------------------------------------------------------------------------------------
+# Plans built on this device
+
+
+class EngineCache:
+    """Plans built on this device for one fingerprint, in ``directory``: ``<key>.plan``, its record
+    ``<key>.plan.json`` and the timing cache ``<key>.timing.cache``. Writes are atomic, and
+    :meth:`lock` keeps two processes from building the same plan at once."""
+
+    def __init__(self, directory: Path, key: str) -> None:
+        self.directory = Path(directory)
+        self.key = key
+        self.plan_path = self.directory / f"{key}.plan"
+        self.record_path = self.directory / f"{key}.plan.json"
+        self.timing_cache_path = self.directory / f"{key}.timing.cache"
+        self._lock_path = self.directory / f"{key}.lock"
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the build lock (blocks while another process builds this plan)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self._lock_path, "a+b") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+    def load(self, expected: Mapping[str, Any]) -> bytes | None:
+        """The cached plan if its record matches ``expected`` and its bytes their hash; a stale
+        or damaged entry is discarded (with a warning when damaged) and None returned."""
+        try:
+            plan = self.plan_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            record = json.loads(self.record_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            record = None
+        if not isinstance(record, dict):
+            log.warning("cached engine %s has no readable record; rebuilding it", self.plan_path)
+        elif any(record.get(name) != value for name, value in expected.items()):
+            changed = sorted(name for name, value in expected.items() if record.get(name) != value)
+            log.info("cached engine %s was built for another %s; rebuilding it", self.plan_path,
+                     " and ".join(changed))
+        elif record.get("plan_sha256") != hashlib.sha256(plan).hexdigest():
+            log.warning("cached engine %s does not match its recorded sha256 (corrupt or torn); "
+                        "rebuilding it", self.plan_path)
+        else:
+            return plan
+        self.discard()
+        return None
+
+    def store(self, plan: bytes, expected: Mapping[str, Any]) -> None:
+        # The record goes last: a crash in between leaves a plan without a record, which load()
+        # treats as stale rather than trusting it.
+        atomic_write_bytes(self.plan_path, plan)
+        record = dict(expected, plan_sha256=hashlib.sha256(plan).hexdigest())
+        atomic_write_text(self.record_path, json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+    def discard(self) -> None:
+        for path in (self.record_path, self.plan_path):
+            path.unlink(missing_ok=True)
+
+    def seed_timing_cache(self, source: Path) -> None:
+        """Start from ``source`` (the bundle's timing cache) when none was saved here yet. The
+        builder drops a cache made on another device or TensorRT, so a foreign one is harmless."""
+        if self.timing_cache_path.exists() or not source.is_file():
+            return
+        atomic_write_bytes(self.timing_cache_path, source.read_bytes())
+
+
+@dataclass(frozen=True)
+class EngineSource:
+    """Where the running plan came from: ``bundle``, ``cache`` or ``built`` (now, on this device)."""
+
+    origin: str
+    path: Path
+    fingerprint: str
+
+
+# --------------------------------------------------------------------------------------------
+# TensorRT's log
+
+
+class _TensorRTLog:
+    """A TensorRT logger that forwards to Python logging and keeps the recent errors for reports."""
+
+    def __init__(self) -> None:
+        import tensorrt as trt
+
+        self._errors: deque[str] = deque(maxlen=20)
+        levels = {
+            trt.ILogger.INTERNAL_ERROR: logging.ERROR,
+            trt.ILogger.ERROR: logging.ERROR,
+            trt.ILogger.WARNING: logging.WARNING,
+            trt.ILogger.INFO: logging.DEBUG,
+        }
+        errors = self._errors
+
+        class _Logger(trt.ILogger):
+            def __init__(self) -> None:
+                # pybind11 requires the base __init__ when a Python class overrides ILogger.
+                trt.ILogger.__init__(self)
+
+            def log(self, severity: trt.ILogger.Severity, msg: str) -> None:
+                level = levels.get(severity, logging.DEBUG)
+                log.log(level, "TensorRT: %s", msg)
+                if level >= logging.ERROR:
+                    errors.append(msg)
+
+        self.logger: trt.ILogger = _Logger()
+
+    def note_error(self, message: str) -> None:
+        """Keep an error TensorRT raised as an exception rather than logged."""
+        log.error("TensorRT: %s", message)
+        self._errors.append(message)
+
+    def take_errors(self) -> list[str]:
+        """The errors logged since the last call."""
+        errors = list(self._errors)
+        self._errors.clear()
+        return errors
+
+
+# --------------------------------------------------------------------------------------------
+# The backend
+
+
+class TensorRTBackend(Backend):
+    """A TensorRT engine on one CUDA device.
+
+    Args:
+        artifacts, options: As for every backend (``options.extra``: see the module docstring).
+        open_device: Opens the CUDA device by index; the default is pycuda
+            (:meth:`PycudaDevice.open`). Tests pass a fake on host memory.
+        root: Filesystem root for ``etc/nv_tegra_release`` (part of the device fingerprint).
+    """
+
+    kind = "tensorrt"
+
+    def __init__(self, artifacts: ModelArtifacts, options: BackendOptions, *,
+                 open_device: Callable[[int], CudaDevice] | None = None, root: Path = Path("/")) -> None:
+        super().__init__(artifacts, options)
+        self._open_device = open_device or PycudaDevice.open
+        self._root = Path(root)
+        # Owned by this instance: created by activate() in this order, freed by deactivate() in
+        # the reverse order with the device's context current.
+        self._device: CudaDevice | None = None  # one retain of the device's primary context
+        self._stream: CudaStream | None = None  # the one stream every batch of this instance runs on
+        self._log: _TensorRTLog | None = None
+        self._runtime: trt.Runtime | None = None  # must outlive the engine
+        self._engine: trt.ICudaEngine | None = None
+        self._context: trt.IExecutionContext | None = None  # the one execution context
+        self._pool: BufferPool | None = None  # every host and device buffer
+        self._source: EngineSource | None = None
+        self._inputs: tuple[TensorInfo, ...] = ()
+        self._outputs: tuple[TensorInfo, ...] = ()
+        self._profile: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # input -> (min, max)
+        self._max_batch = options.max_batch_size
+        # run() and deactivate() exclude each other; stage()/release only touch the staged table.
+        self._run_lock = threading.Lock()
+        self._staged_lock = threading.Lock()
+        self._staged: dict[int, int] = {}  # slot -> batch size, for batches staged and not released
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def activate(self) -> None:
+        if self._active:
+            return
+        _import_tensorrt()
+        try:
+            self._activate()
+        except BaseException:
+            self.deactivate()
+            raise
+        self._active = True
+        source = self._source
+        log.info("tensorrt backend active: %s v%d, %s plan %s, %s buffers, max batch %d",
+                 self.artifacts.name, self.artifacts.version, source.origin if source else "?",
+                 source.path if source else "?", "mapped" if self._pool and self._pool.mapped else "pinned",
+                 self._max_batch)
+
+    def _activate(self) -> None:
+        import tensorrt as trt
+
+        device = self._device = self._open_device(self.options.device_id)
+        mapped = choose_host_memory(device, str(self.options.extra.get("host_memory", "auto")))
+        with device.scope():
+            self._stream = device.create_stream()
+            self._log = _TensorRTLog()
+            trt.init_libnvinfer_plugins(self._log.logger, "")
+            self._runtime = trt.Runtime(self._log.logger)
+            self._engine, self._source = self._load_engine(trt.__version__, device)
+            self._context = self._engine.create_execution_context()
+            if self._context is None:
+                raise EngineError("TensorRT could not create an execution context",
+                                  messages=self._log.take_errors())
+            specs = self._read_engine_io()
+            self._pool = BufferPool.allocate(device, specs, sets=self.options.buffer_sets, mapped=mapped)
+
+    def deactivate(self) -> None:
+        with self._run_lock:
+            self._active = False
+            with self._staged_lock:
+                self._staged.clear()
+            device, self._device = self._device, None
+            if device is None:
+                return
+            try:
+                with device.scope():
+                    self._release_in_context()
+            except Exception as exc:  # noqa: BLE001 - a broken context must not keep the rest alive
+                log.error("freeing the TensorRT backend's CUDA resources failed: %s", exc)
+            finally:
+                # Whatever failed above, drop every reference so that nothing outlives this call.
+                self._pool = self._context = self._engine = self._runtime = None
+                self._stream = None
+                self._log = None
+                self._source = None
+                try:
+                    device.close()
+                except Exception as exc:  # noqa: BLE001
+                    log.error("releasing the CUDA device failed: %s", exc)
+
+    def _release_in_context(self) -> None:
+        stream = self._stream
+        if stream is not None:
+            try:
+                stream.synchronize()  # nothing may still be reading or writing the buffers
+            except Exception as exc:  # noqa: BLE001 - free the rest whatever this does
+                log.error("tensorrt backend: cannot synchronize the stream: %s", exc)
+        if self._pool is not None:
+            try:
+                self._pool.close()
+            except Exception as exc:  # noqa: BLE001
+                log.error("tensorrt backend: cannot free the buffers: %s", exc)
+        # TensorRT objects go with their last reference: the context, then the engine, then the
+        # runtime, while the context is current (they free device memory as they go).
+        self._context = None
+        self._engine = None
+        self._runtime = None
+        if stream is not None:
+            try:
+                stream.close()
+            except Exception as exc:  # noqa: BLE001
+                log.error("tensorrt backend: cannot destroy the stream: %s", exc)
+
+    # -- engine ---------------------------------------------------------------------------
+
+    def _deserialize(self, plan: bytes) -> trt.ICudaEngine | None:
+        if self._runtime is None or self._log is None:
+            raise InternalError("deserialize before the TensorRT runtime exists")
+        self._log.take_errors()
+        try:
+            engine = self._runtime.deserialize_cuda_engine(plan)
+        except (RuntimeError, TypeError, ValueError) as exc:  # some releases raise rather than log
+            self._log.note_error(str(exc))
+            return None
+        return engine  # None when TensorRT refused it (the reason is in its log)
+
+    def _load_engine(self, trt_version: str, device: CudaDevice) -> tuple[trt.ICudaEngine, EngineSource]:
+        """Deserialize the first plan that loads: the bundle's, the cached one, or a new build."""
+        if self._log is None:
+            raise InternalError("load before the TensorRT log exists")
+        fingerprint = DeviceFingerprint(trt_version=trt_version, compute_capability=device.compute_capability,
+                                        l4t_release=read_l4t_release(self._root))
+        key = fingerprint.key()
+        bundled = self.artifacts.prebuilt_engines().get(key)
+        if bundled is not None:
+            try:
+                plan: bytes | None = bundled.read_bytes()
+            except OSError as exc:
+                log.warning("bundle plan %s unreadable (%s); using a plan built on this device", bundled, exc)
+                plan = None
+            engine = self._deserialize(plan) if plan is not None else None
+            if engine is not None:
+                return engine, EngineSource("bundle", bundled, key)
+            if plan is not None:
+                log.warning("TensorRT %s refused the bundle's plan %s for %s (%s); using a plan built on "
+                            "this device", trt_version, bundled, key,
+                            "; ".join(self._log.take_errors()) or "no reason logged")
+
+        cache = EngineCache(self.artifacts.engine_cache_dir, key)
+        config = engine_build_config(self.artifacts, self.options.extra,
+                                     timing_cache_path=cache.timing_cache_path)
+        expected = {"model_sha256": self._model_sha256(), "build": _build_settings(config),
+                    "tensorrt_version": trt_version}
+        with cache.lock():
+            plan = cache.load(expected)
+            if plan is not None:
+                engine = self._deserialize(plan)
+                if engine is not None:
+                    return engine, EngineSource("cache", cache.plan_path, key)
+                log.warning("TensorRT %s refused the cached plan %s (%s); deleting and rebuilding it",
+                            trt_version, cache.plan_path,
+                            "; ".join(self._log.take_errors()) or "no reason logged")
+                cache.discard()
+            cache.seed_timing_cache(self.artifacts.directory / "timing.cache")
+            log.info("building the TensorRT engine for %s v%d on this device (%s); this takes a while",
+                     self.artifacts.name, self.artifacts.version, key)
+            result = build_engine(self.artifacts.onnx_path, config,
+                                  compute_capability=lambda: device.compute_capability, root=self._root)
+            for warning in result.warnings:
+                log.warning("engine build: %s", warning)
+            log.info("engine built in %.1f s", result.build_seconds)
+            cache.store(result.plan, expected)
+            engine = self._deserialize(result.plan)
+            if engine is None:
+                cache.discard()
+                raise EngineError("TensorRT cannot load the engine it has just built", plan=cache.plan_path,
+                                  messages=self._log.take_errors())
+            return engine, EngineSource("built", cache.plan_path, key)
+
+    def _model_sha256(self) -> str:
+        entry = (self.artifacts.manifest.get("artifacts") or {}).get("model.onnx") or {}
+        # The store verified model.onnx against this hash when it installed the bundle.
+        if isinstance(entry, Mapping) and isinstance(entry.get("sha256"), str):
+            return str(entry["sha256"])
+        try:
+            return _sha256_file(self.artifacts.onnx_path)
+        except OSError as exc:
+            raise EngineError("cannot read the ONNX model", path=self.artifacts.onnx_path,
+                              reason=str(exc)) from None
+
+    def _read_engine_io(self) -> list[TensorSpec]:
+        """Describe the engine's tensors and size their buffers for the largest batch and shapes."""
+        import tensorrt as trt
+
+        engine, context = self._engine, self._context
+        if engine is None or context is None or self._log is None:
+            raise InternalError("engine I/O read before the engine is loaded")
+        names = [engine.get_tensor_name(index) for index in range(engine.num_io_tensors)]
+        input_names = [name for name in names if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT]
+        output_names = [name for name in names if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT]
+        dtypes: dict[str, np.dtype[Any]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name in input_names + output_names:
+            type_name = engine.get_tensor_dtype(name).name
+            if type_name not in _NUMPY_DTYPES:
+                raise EngineError("engine tensor type not supported by this backend", tensor=name,
+                                  found=type_name, supported=sorted(_NUMPY_DTYPES))
+            dtypes[name] = np.dtype(_NUMPY_DTYPES[type_name])
+            shapes[name] = _dims(engine.get_tensor_shape(name))
+            if not shapes[name] or shapes[name][0] != -1:
+                raise EngineError("the engine needs a dynamic batch axis first", tensor=name,
+                                  found=list(shapes[name]))
+        profile: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        for name in input_names:
+            low, _, high = (_dims(dims) for dims in engine.get_tensor_profile_shape(name, 0))
+            profile[name] = (low, high)
+        self._profile = profile
+        self._max_batch = min([self.options.max_batch_size] + [high[0] for _, high in profile.values()])
+        largest = {name: (self._max_batch, *high[1:]) for name, (_, high) in profile.items()}
+        for name, shape in largest.items():
+            if not context.set_input_shape(name, shape):
+                raise EngineError("TensorRT refused the profile's largest input shape", tensor=name,
+                                  shape=list(shape), messages=self._log.take_errors())
+        for name in output_names:
+            largest[name] = _dims(context.get_tensor_shape(name))
+            if any(dim < 0 for dim in largest[name]):
+                raise EngineError("output shape depends on the data, which this backend does not support",
+                                  tensor=name, found=list(largest[name]))
+        self._inputs = tuple(TensorInfo(name, datatype_of(dtypes[name]), (-1, *shapes[name][1:]))
+                             for name in input_names)
+        self._outputs = tuple(TensorInfo(name, datatype_of(dtypes[name]), (-1, *shapes[name][1:]))
+                              for name in output_names)
+        return [TensorSpec(name, dtypes[name], largest[name], is_input=name in profile)
+                for name in input_names + output_names]
+
+    # -- description --------------------------------------------------------------------
+
+    @property
+    def inputs(self) -> tuple[TensorInfo, ...]:
+        return self._inputs
+
+    @property
+    def outputs(self) -> tuple[TensorInfo, ...]:
+        return self._outputs
+
+    @property
+    def max_batch_size(self) -> int:
+        """The smaller of ``options.max_batch_size`` and the engine profile's maximum batch."""
+        return self._max_batch
+
+    @property
+    def engine_source(self) -> EngineSource | None:
+        return self._source
+
+    def describe(self) -> dict[str, Any]:
+        facts: dict[str, Any] = {"backend": self.kind, "buffer_sets": self.options.buffer_sets}
+        if self._source is not None:
+            facts.update(engine=self._source.origin, plan=str(self._source.path),
+                         fingerprint=self._source.fingerprint)
+        if self._device is not None:
+            facts.update(device=self._device.name, compute_capability=self._device.compute_capability)
+        if self._pool is not None:
+            facts["host_memory"] = "mapped" if self._pool.mapped else "pinned"
+        return facts
+
+    # -- inference ----------------------------------------------------------------------
+
+    def stage(self, batch_size: int, sample_shapes: Mapping[str, tuple[int, ...]]) -> StagedBatch:
+        self.check_stage_request(batch_size, sample_shapes)
+        shapes = {info.name: (batch_size, *sample_shapes[info.name]) for info in self._inputs}
+        for name, shape in shapes.items():
+            low, high = self._profile[name]
+            if any(not lo <= dim <= hi for lo, dim, hi in zip(low, shape, high, strict=True)):
+                raise InputError("input shape is outside the engine's optimization profile", input=name,
+                                 found=list(shape), minimum=list(low), maximum=list(high))
+        pool = self._pool
+        if pool is None:
+            raise InternalError("tensorrt backend staged a batch without buffers")
+        slot = pool.acquire()
+        with self._staged_lock:
+            self._staged[slot] = batch_size
+        inputs = {name: pool.host_view(slot, name, shape) for name, shape in shapes.items()}
+        return StagedBatch(batch_size, inputs, slot, functools.partial(self._release, pool))
+
+    def _release(self, pool: BufferPool, slot: int) -> None:
+        # A batch staged before a deactivate() goes back to the pool it came from, not a newer one.
+        if pool is self._pool:
+            with self._staged_lock:
+                self._staged.pop(slot, None)
+        pool.release(slot)
+
+    def run(self, batch: StagedBatch) -> dict[str, np.ndarray]:
+        with self._run_lock:
+            self._require_active()
+            with self._staged_lock:
+                staged = self._staged.get(batch.slot)
+            device, stream, context = self._device, self._stream, self._context
+            pool, trt_log = self._pool, self._log
+            if (staged != batch.batch_size or device is None or stream is None or context is None
+                    or pool is None or trt_log is None):
+                raise InternalError("run() on a batch that is not staged on this backend")
+            input_shapes = {info.name: tuple(batch.inputs[info.name].shape) for info in self._inputs}
+            with device.scope():
+                for name, shape in input_shapes.items():
+                    if not context.set_input_shape(name, shape):
+                        raise InputError("TensorRT refused the input shape", input=name, found=list(shape),
+                                         messages=trt_log.take_errors())
+                output_shapes = {info.name: _dims(context.get_tensor_shape(info.name))
+                                 for info in self._outputs}
+                # Checked before the launch: TensorRT would write past a buffer that is too small.
+                outputs = {name: pool.host_view(batch.slot, name, shape)
+                           for name, shape in output_shapes.items()}
+                for spec in pool.specs:
+                    if not context.set_tensor_address(spec.name, pool.device_pointer(batch.slot, spec.name)):
+                        raise EngineError("TensorRT refused a tensor address", tensor=spec.name,
+                                          messages=trt_log.take_errors())
+                pool.to_device(batch.slot, input_shapes, stream)
+                if not context.execute_async_v3(stream.handle):
+                    raise EngineError("TensorRT could not run the batch", batch=batch.batch_size,
+                                      messages=trt_log.take_errors())
+                pool.to_host(batch.slot, output_shapes, stream)
+                stream.synchronize()
+            return outputs

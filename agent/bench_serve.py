@@ -1,0 +1,318 @@
+"""``edge-agent bench serve``: the serving path against its own backend, in one run.
+
+1. **Raw backend**: the configured backend alone, no HTTP, at several batch sizes; the best
+   throughput is the baseline (``raw_backend_img_s``) and the time of a full batch bounds latency.
+2. **Through the HTTP API**: the daemon runs as its own process (as on a board: the load generator
+   must not share its interpreter) and ``agent.loadgen`` drives it with binary KServe v2 requests,
+   closed loop at each concurrency, then an open-loop Poisson rate. The daemon's RSS is read from
+   ``/proc`` after each level.
+
+Targets (issue 3): ``efficiency`` = QPS at concurrency 64 / ``raw_backend_img_s`` >= 0.85, and the
+P99 at concurrency 16 <= ``max_queue_delay`` + 2 x the compute time of a full batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent.errors import AgentError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeBenchOptions:
+    bundle: Path
+    public_keys: tuple[Path, ...]
+    config: Path | None = None
+    input_size: int = 224
+    concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    duration_s: float = 10.0
+    warmup_s: float = 2.0
+    raw_min_time_s: float = 1.5
+    rounds: int = 3  # interleaved (raw backend, HTTP at the top concurrency) pairs
+    open_loop_fraction: float = 0.7  # Poisson rate as a fraction of the best closed-loop QPS
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.input_size < 8:
+            raise ConfigError("input size too small", key="--input-size", found=self.input_size)
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ConfigError("concurrency levels must be >= 1", key="--concurrency",
+                              found=list(self.concurrency))
+        if self.rounds < 1:
+            raise ConfigError("need at least one round", key="--rounds", found=self.rounds)
+        if self.duration_s <= 0 or self.warmup_s < 0:
+            raise ConfigError("durations must be positive", key="--duration")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _rss_mb(pid: int) -> tuple[float, float]:
+    """(current RSS, peak RSS) of a process in MiB, from /proc."""
+    values = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) / 1024
+    return values.get("VmRSS", 0.0), values.get("VmHWM", 0.0)
+
+
+def _sample_shape(manifest: dict[str, Any], size: int) -> tuple[int, ...]:
+    shape = list(manifest["inputs"][0]["shape"][1:])
+    dynamic = [index for index, dim in enumerate(shape) if dim == -1]
+    for index in dynamic[-2:]:
+        shape[index] = size
+    if -1 in shape:
+        raise ConfigError("the model's input has dynamic axes other than height and width",
+                          shape=manifest["inputs"][0]["shape"])
+    return tuple(shape)
+
+
+class RawBackend:
+    """The configured backend instances in this process, timed without HTTP."""
+
+    def __init__(self, config: Any, artifacts: Any, sample_shape: tuple[int, ...]) -> None:
+        from agent.daemon import batch_policy, start_backends
+
+        self.policy = batch_policy(config, artifacts)
+        self.sizes = sorted({size for size in (1, 4, artifacts.opt_batch, 16,
+                                               self.policy.max_batch_size)
+                             if 1 <= size <= self.policy.max_batch_size})
+        self.backends = start_backends(config, artifacts, self.policy)
+        info = self.backends[0].inputs[0]
+        rng = np.random.default_rng(0)
+        self.inputs = {size: {info.name: rng.normal(size=(size, *sample_shape)).astype(info.dtype)}
+                       for size in self.sizes}
+
+    def measure(self, min_time_s: float) -> dict[str, Any]:
+        """Throughput at each batch size with every instance running batches at once (one
+        thread each), as the daemon runs them; the best is the baseline."""
+        from models.timing import time_call
+
+        per_batch: dict[str, dict[str, float]] = {}
+        for size in self.sizes:
+            inputs = self.inputs[size]
+            with ThreadPoolExecutor(len(self.backends)) as pool:
+                runs = list(pool.map(
+                    lambda backend, inputs=inputs: time_call(lambda: backend.infer(inputs),
+                                                             min_time_s, 3),
+                    self.backends))
+            median_s = statistics.median(latency for run in runs for latency in run)
+            per_batch[str(size)] = {"batch_ms": median_s * 1e3,
+                                    "img_s": size * len(self.backends) / median_s}
+        best = max(per_batch.values(), key=lambda entry: entry["img_s"])
+        return {"per_batch": per_batch, "img_s": best["img_s"],
+                "full_batch_ms": per_batch[str(self.policy.max_batch_size)]["batch_ms"]}
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.deactivate()
+
+
+class DaemonProcess:
+    """``edge-agent serve`` in a child process on an installed store."""
+
+    def __init__(self, options: ServeBenchOptions, state_dir: Path, port: int) -> None:
+        command = [sys.executable, "-m", "agent", "-q", "serve", "--state-dir", str(state_dir),
+                   "--http-port", str(port)]
+        if options.config is not None:
+            command += ["--config", str(options.config)]
+        for key in options.public_keys:
+            command += ["--pubkey", str(key)]
+        self.log_path = state_dir / "daemon.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AgentError("the daemon exited during start",
+                                 log=self.log_path.read_text(errors="replace")[-600:])
+            try:
+                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AgentError("the daemon did not become ready", timeout_s=timeout_s)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return int(self.process.returncode)
+
+
+def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
+    """Install the bundle, start the daemon, then: the concurrency sweep, ``rounds`` interleaved
+    pairs of (raw backend, HTTP at the top concurrency) for the efficiency, and the open loop."""
+    from agent import loadgen
+    from agent.config import load_config
+    from agent.daemon import Daemon
+
+    with tempfile.TemporaryDirectory(prefix="edge-agent-bench-") as temp:
+        state_dir = Path(temp) / "state"
+        port = _free_port()
+        overrides = {**options.overrides, "state_dir": state_dir, "http.port": port,
+                     "trust.public_keys": list(options.public_keys)}
+        config = load_config(options.config, overrides=overrides)
+        artifacts = Daemon(config).install(options.bundle)
+        manifest = dict(artifacts.manifest)
+        sample_shape = _sample_shape(manifest, options.input_size)
+        print(f"model {artifacts.name} v{artifacts.version}, frames "
+              f"1x{'x'.join(map(str, sample_shape))}", flush=True)
+        rng = np.random.default_rng(1)
+        samples = tuple(rng.normal(size=(1, *sample_shape)).astype(np.float32) for _ in range(4))
+        target = loadgen.Target(base_url=f"http://127.0.0.1:{port}", model=artifacts.name,
+                                input_name=manifest["inputs"][0]["name"], samples=samples,
+                                datatype="FP32")
+        raw = RawBackend(config, artifacts, sample_shape)
+        daemon = DaemonProcess(options, state_dir, port)
+        levels: dict[str, dict[str, Any]] = {}
+        rounds: list[dict[str, Any]] = []
+        top = max(options.concurrency)
+        try:
+            daemon.wait_ready()
+
+            def measured(result: Any) -> dict[str, Any]:
+                entry = result.to_dict()
+                entry["rss_mb"], entry["rss_peak_mb"] = _rss_mb(daemon.process.pid)
+                return entry
+
+            def record(result: Any) -> None:
+                levels[str(result.concurrency)] = measured(result)
+                print(_format_level(f"c={result.concurrency}", levels[str(result.concurrency)]),
+                      flush=True)
+
+            loadgen.sweep_closed_loop(target, options.concurrency, duration_s=options.duration_s,
+                                      warmup_s=options.warmup_s, on_result=record)
+            for index in range(options.rounds):
+                # The daemon idles (no spinning threads) while the raw backend is timed, and the
+                # raw backend idles during the HTTP window; pairing them round by round keeps the
+                # ratio honest on a machine whose speed drifts.
+                raw_round = raw.measure(options.raw_min_time_s)
+                result = asyncio.run(loadgen.run_closed_loop(
+                    target, concurrency=top, duration_s=options.duration_s,
+                    warmup_s=options.warmup_s))
+                entry = measured(result)
+                rounds.append({"raw": raw_round, "http": entry,
+                               "efficiency": entry["qps"] / raw_round["img_s"]})
+                print(f"round {index + 1}: raw {raw_round['img_s']:.1f} img/s, HTTP c={top} "
+                      f"{entry['qps']:.1f} req/s, efficiency {rounds[-1]['efficiency']:.3f}",
+                      flush=True)
+            # Poisson load below saturation: a fraction of the best closed-loop throughput.
+            rate = options.open_loop_fraction * max(entry["qps"] for entry in levels.values())
+            open_entry = measured(asyncio.run(loadgen.run_open_loop(
+                target, rate_per_s=rate, duration_s=options.duration_s,
+                warmup_s=options.warmup_s)))
+            print(_format_level(f"poisson {rate:.0f}/s", open_entry), flush=True)
+        finally:
+            status = daemon.stop()
+            raw.close()
+        if status != 0:
+            raise AgentError("the daemon exited with an error", status=status,
+                             log=daemon.log_path.read_text(errors="replace")[-600:])
+        policy = raw.policy
+        setup = {"backend": raw.backends[0].kind, "instances": len(raw.backends),
+                 "max_batch_size": policy.max_batch_size,
+                 "max_queue_delay_ms": policy.max_queue_delay_us / 1e3,
+                 "preferred_batch_sizes": list(policy.preferred_batch_sizes)}
+    return summarize(setup, levels, rounds, open_entry, options)
+
+
+def summarize(setup: dict[str, Any], levels: dict[str, dict[str, Any]],
+              rounds: list[dict[str, Any]], open_entry: dict[str, Any],
+              options: ServeBenchOptions) -> dict[str, Any]:
+    raw_img_s = statistics.median(entry["raw"]["img_s"] for entry in rounds)
+    full_batch_ms = statistics.median(entry["raw"]["full_batch_ms"] for entry in rounds)
+    bound = setup["max_queue_delay_ms"] + 2 * full_batch_ms
+    summary: dict[str, Any] = {
+        "input_shape": [1, 3, options.input_size, options.input_size],
+        "setup": setup,
+        "raw_backend_img_s": raw_img_s,
+        "full_batch_compute_ms": full_batch_ms,
+        "concurrency": levels,
+        "rounds": rounds,
+        "efficiency": statistics.median(entry["efficiency"] for entry in rounds),
+        "open_loop": open_entry,
+        "p99_c16_bound_ms": bound,
+        "rss_peak_mb": max([entry["rss_peak_mb"] for entry in levels.values()]
+                           + [open_entry["rss_peak_mb"]]),
+    }
+    if "16" in levels and levels["16"]["p99_ms"] is not None:
+        summary["p99_c16_ms"] = levels["16"]["p99_ms"]
+        summary["p99_c16_ok"] = levels["16"]["p99_ms"] <= bound
+    summary["targets"] = {"efficiency_ok": summary["efficiency"] >= 0.85,
+                          "p99_c16_ok": summary.get("p99_c16_ok")}
+    return summary
+
+
+def _format_level(label: str, entry: dict[str, Any]) -> str:
+    server = entry.get("server") or {}
+    def ms(value: Any) -> str:
+        return f"{value:7.1f}" if isinstance(value, (int, float)) else "      -"
+    errors = sum(entry["errors"].values())
+    return (f"{label:>16}  {entry['qps']:7.1f} req/s  p50{ms(entry['p50_ms'])}  "
+            f"p90{ms(entry['p90_ms'])}  p99{ms(entry['p99_ms'])} ms  "
+            f"queue{ms(server.get('queue_ms'))}  compute{ms(server.get('compute_ms'))} ms  "
+            f"batch {server.get('mean_batch_size') or 0:5.1f}  rss {entry['rss_mb']:6.0f} MiB"
+            + (f"  errors {errors}" if errors else ""))
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [
+        f"raw backend best           {summary['raw_backend_img_s']:.1f} img/s (median of rounds)",
+        (f"efficiency (top c / raw)   {summary['efficiency']:.3f}  (median of rounds; target "
+         f">= 0.85: {'met' if summary['targets']['efficiency_ok'] else 'NOT met'})"),
+    ]
+    if "p99_c16_ms" in summary:
+        lines.append(f"P99 at c=16                {summary['p99_c16_ms']:.1f} ms  (bound "
+                     f"{summary['p99_c16_bound_ms']:.1f} ms: "
+                     f"{'met' if summary['p99_c16_ok'] else 'NOT met'})")
+    lines.append(f"daemon peak RSS            {summary['rss_peak_mb']:.0f} MiB")
+    return "\n".join(lines)
+
+
+def write_json(summary: dict[str, Any], path: Path) -> None:
+    from agent.fsutil import atomic_write_text
+
+    atomic_write_text(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError("concurrency must be comma-separated integers", key="--concurrency",
+                          found=text) from None
+    return levels

@@ -1,0 +1,197 @@
+"""``edge-agent serve`` as a real process: install, serve, drain on SIGTERM, restart on the store's
+current model, refuse a corrupted install; and ``edge-agent bench serve`` end to end on a tiny
+model (short windows: this checks the command, not the numbers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+http = pytest.importorskip("tritonclient.http")
+
+from models.signing import (
+    generate_private_key,
+    write_keypair,
+)
+from tests.tiny_models import make_bundle, reference_logits
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture()
+def signed(tmp_path: Path) -> tuple[Path, Path, Any]:
+    key_path = tmp_path / "keys" / "fleet.key"
+    key_path.parent.mkdir()
+    write_keypair(key_path)
+    from models.signing import load_private_key
+
+    key = load_private_key(key_path)
+    bundle, _ = make_bundle(tmp_path, key=key)
+    return bundle, Path(str(key_path) + ".pub"), key
+
+
+def clean_env() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items()
+            if not name.startswith("EDGE_AGENT_") or name == "EDGE_AGENT_CACHE"}
+
+
+def serve(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "agent", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=clean_env())
+
+
+def wait_ready(port: int, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(process.stdout.read().decode() if process.stdout else "exited")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError("daemon not ready")
+
+
+def infer(port: int, bundle_dir: Path) -> None:
+    client = http.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.random.default_rng(5).normal(size=(2, 3, 16, 16)).astype(np.float32)
+    tensor = http.InferInput("input", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data)
+    result = client.infer("tiny", [tensor])
+    np.testing.assert_allclose(result.as_numpy("logits"),
+                               reference_logits(bundle_dir / "src-tiny-1" / "model.onnx", data),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_serve_installs_serves_drains_and_restarts_on_current(
+        tmp_path: Path, signed: tuple[Path, Path, Any]) -> None:
+    bundle, public_key, _ = signed
+    state = tmp_path / "state"
+    port = free_port()
+    process = serve("--bundle", str(bundle), "--pubkey", str(public_key), "--state-dir",
+                    str(state), "--http-port", str(port), "--backend", "onnxruntime")
+    try:
+        wait_ready(port, process)
+        infer(port, tmp_path)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=30)[0].decode()
+    assert process.returncode == 0, output
+    assert "draining" in output
+
+    # The store keeps the model: a plain restart serves it without --bundle.
+    port = free_port()
+    process = serve("--pubkey", str(public_key), "--state-dir", str(state), "--http-port",
+                    str(port))
+    try:
+        wait_ready(port, process)
+        infer(port, tmp_path)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=30)
+    assert process.returncode == 0
+
+
+def test_serve_refuses_a_model_corrupted_on_disk(tmp_path: Path,
+                                                 signed: tuple[Path, Path, Any]) -> None:
+    bundle, public_key, _ = signed
+    state = tmp_path / "state"
+    from agent.config import load_config
+    from agent.daemon import Daemon
+
+    config = load_config(None, env={}, overrides={"state_dir": state,
+                                                  "trust.public_keys": [public_key]})
+    artifacts = Daemon(config).install(bundle)
+    model = artifacts.directory / "model.onnx"
+    model.chmod(0o644)
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "serve", "--pubkey", str(public_key), "--state-dir",
+         str(state), "--http-port", str(free_port())],
+        capture_output=True, text=True, timeout=60, env=clean_env(), check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("edge-agent: error:")
+    assert "model.onnx" in result.stderr
+
+
+def test_serve_with_an_empty_store_says_how_to_install(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "serve", "--state-dir", str(tmp_path / "state"),
+         "--http-port", str(free_port())],
+        capture_output=True, text=True, timeout=60, env=clean_env(), check=False)
+    assert result.returncode == 1
+    assert "no model installed" in result.stderr
+    assert "--bundle" in result.stderr
+
+
+def test_serve_rejects_an_untrusted_bundle(tmp_path: Path, signed: tuple[Path, Path, Any]) -> None:
+    _, public_key, _ = signed
+    other, _ = make_bundle(tmp_path / "other", key=generate_private_key())
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "serve", "--bundle", str(other), "--pubkey",
+         str(public_key), "--state-dir", str(tmp_path / "state"), "--http-port",
+         str(free_port())],
+        capture_output=True, text=True, timeout=60, env=clean_env(), check=False)
+    assert result.returncode == 1
+    assert "edge-agent: error:" in result.stderr
+    assert not list((tmp_path / "state").glob("models/*/*"))
+
+
+def test_print_config_names_every_section_and_hides_the_token(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("very-secret\n")
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[http]\ntoken_file = "{token}"\nport = 9001\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "serve", "--config", str(config), "--print-config"],
+        capture_output=True, text=True, timeout=60, env=clean_env(), check=False)
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    assert printed["http"]["port"] == 9001
+    assert printed["http"]["token"] == "<redacted>"
+    assert "very-secret" not in result.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[serving]\nmax_batch_size = 0\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "serve", "--config", str(bad), "--print-config"],
+        capture_output=True, text=True, timeout=60, env=clean_env(), check=False)
+    assert result.returncode == 1
+    assert "serving.max_batch_size" in result.stderr
+
+
+def test_bench_serve_runs_end_to_end(tmp_path: Path, signed: tuple[Path, Path, Any]) -> None:
+    from agent.bench_serve import ServeBenchOptions, run_bench
+
+    bundle, public_key, _ = signed
+    summary = run_bench(ServeBenchOptions(
+        bundle=bundle, public_keys=(public_key,), input_size=16, concurrency=(1, 4),
+        duration_s=0.5, warmup_s=0.2, raw_min_time_s=0.1, rounds=1,
+        overrides={"serving.backend": "onnxruntime"}))
+    assert summary["raw_backend_img_s"] > 0
+    for level in ("1", "4"):
+        entry = summary["concurrency"][level]
+        assert entry["completed"] > 0 and entry["errors"] == {}
+        assert entry["p50_ms"] <= entry["p90_ms"] <= entry["p99_ms"]
+        assert entry["rss_mb"] > 0
+    assert summary["efficiency"] > 0
+    assert summary["open_loop"]["completed"] > 0
+    assert summary["p99_c16_bound_ms"] > summary["full_batch_compute_ms"]
