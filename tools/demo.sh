@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Set up and run the main job on the embedded defaults: train the example ResNet-18 on the digits
-# set (cached after the first run), prune it, quantize it to INT8 with mixed precision, and pack a
-# signed bundle; then verify and inspect the bundle.
+# Set up and run the main job on the embedded defaults: `edge-agent demo`.
+#
+# The first run builds the example bundle (train ResNet-18 on the digits set, cached; prune; INT8
+# with mixed precision; sign) into OUT_DIR; every run installs it into a fresh model store, starts
+# the daemon on a free loopback port, sends it the held-out digit images (HTTP and shared memory),
+# prints predictions, latency and metrics, and shuts it down by draining.
 #
 #   tools/demo.sh [OUT_DIR]      (default: out/demo)
 set -euo pipefail
@@ -12,7 +15,4 @@ out=${1:-out/demo}
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e ".[host,device,dev]"
 
-.venv/bin/edge-agent build --model resnet18-digits --prune 0.5 --out "$out"
-bundle=$(ls -t "$out"/resnet18-digits-*.bundle | head -n 1)
-.venv/bin/edge-agent bundle verify "$bundle" --pubkey "$out/signing.key.pub"
-.venv/bin/edge-agent bundle inspect "$bundle" --pubkey "$out/signing.key.pub"
+.venv/bin/edge-agent demo --out "$out"
