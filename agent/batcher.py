@@ -64,6 +64,10 @@ class BatchPolicy:
     default_timeout_us: int = 0  # 0 = none
     priority_levels: int = 2
     default_priority_level: int = 2
+    # Triton waits out the delay whenever a batch is not full. With adaptive_delay an idle
+    # instance takes a partial batch at once when, at the recent arrival rate, fewer than one
+    # more request is expected before the delay ends: waiting would only add latency.
+    adaptive_delay: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -168,6 +172,11 @@ class Batcher:
         self._batches: set[asyncio.Task[None]] = set()
         self._accepting = False
         self._counters = _Counters()
+        self._last_arrival: float | None = None
+        self._arrival_interval_s: float | None = None  # exponentially weighted mean
+        self._last_gap_s: float | None = None
+        self._max_batch_size = min(policy.max_batch_size,
+                                   *(backend.max_batch_size for backend in instances))
 
     def _wrap(self, backend: Backend) -> _Instance:
         index = next(_instance_numbers)
@@ -181,8 +190,7 @@ class Batcher:
 
     @property
     def max_batch_size(self) -> int:
-        return min(self.policy.max_batch_size,
-                   *(instance.backend.max_batch_size for instance in self._instances))
+        return self._max_batch_size
 
     @property
     def backends(self) -> list[Backend]:
@@ -223,6 +231,8 @@ class Batcher:
         for instance in old:
             instance.retired = True
         self._instances = [self._wrap(backend) for backend in backends]
+        self._max_batch_size = min(self.policy.max_batch_size,
+                                   *(backend.max_batch_size for backend in backends))
         self._poke()
         while any(instance.outstanding for instance in old):
             await asyncio.sleep(0.002)
@@ -273,6 +283,12 @@ class Batcher:
         self._queues[level - 1].append(request)
         self._queued += 1
         self._counters.arrivals += 1
+        if self._last_arrival is not None:
+            gap = now - self._last_arrival
+            self._last_gap_s = gap
+            self._arrival_interval_s = (gap if self._arrival_interval_s is None
+                                        else 0.9 * self._arrival_interval_s + 0.1 * gap)
+        self._last_arrival = now
         self._report_depth()
         self._poke()
         return future
@@ -330,6 +346,9 @@ class Batcher:
                 if preferred:
                     self._launch(idle, self._trim(batch, max(preferred)))
                     continue
+                if self.policy.adaptive_delay and self._expected_arrivals(due - now) < 1.0:
+                    self._launch(idle, batch)
+                    continue
                 return self._until_next_deadline(due - now, now)
             spare = next((i for i in self._instances
                           if not i.retired and i.outstanding < self._buffer_sets), None)
@@ -337,6 +356,14 @@ class Batcher:
                 self._launch(spare, batch)
                 continue
             return self._until_next_deadline(None, now)
+
+    def _expected_arrivals(self, window_s: float) -> float:
+        """Requests expected within ``window_s``: at the recent mean arrival interval, or at the
+        last gap when that is shorter (a burst has begun and more of it is on the way)."""
+        if self._arrival_interval_s is None or self._last_gap_s is None:
+            return 0.0
+        interval = min(self._arrival_interval_s, self._last_gap_s)
+        return window_s / max(interval, 1e-9)
 
     def _until_next_deadline(self, wait_s: float | None, now: float) -> float | None:
         deadlines = [request.deadline for queue in self._queues for request in queue

@@ -220,6 +220,8 @@ class ServingConfig(_Section):
     threads: int = field(default=0, metadata=_bounds(minimum=0))
     max_batch_size: int = field(default=32, metadata=_bounds(minimum=1))
     max_queue_delay_us: int = field(default=5000, metadata=_bounds(minimum=0))
+    # Skip the wait when requests arrive too rarely to fill a batch within it (see BatchPolicy).
+    adaptive_delay: bool = True
     # Empty: the bundle's opt_batch is the preferred size.
     preferred_batch_sizes: tuple[int, ...] = ()
     # 0: unlimited.

@@ -56,6 +56,7 @@ def batch_policy(config: AgentConfig, artifacts: ModelArtifacts) -> BatchPolicy:
         default_timeout_us=serving.default_timeout_us,
         priority_levels=serving.priority_levels,
         default_priority_level=serving.resolved_default_priority_level,
+        adaptive_delay=serving.adaptive_delay,
     )
 
 

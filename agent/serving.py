@@ -147,6 +147,7 @@ class ModelService:
             "dynamic_batching": {
                 "preferred_batch_size": list(policy.preferred_batch_sizes),
                 "max_queue_delay_microseconds": policy.max_queue_delay_us,
+                "adaptive_delay": policy.adaptive_delay,
                 "priority_levels": policy.priority_levels,
                 "default_priority_level": policy.default_priority_level,
                 "default_queue_policy": {

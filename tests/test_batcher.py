@@ -105,6 +105,38 @@ def test_a_lone_request_waits_for_the_queue_delay(model_path: Path) -> None:
     assert result.batch_size == 1
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_adaptive_delay_skips_the_wait_only_for_sparse_arrivals(model_path: Path,
+                                                                adaptive: bool) -> None:
+    recorder = Recorder()
+
+    async def main() -> tuple[list[Any], list[int]]:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=8, max_queue_delay_us=100_000,
+                                      adaptive_delay=adaptive), observer=recorder)
+        batcher.start()
+        sparse = []
+        for index in range(3):  # one camera at about 3 frames/s
+            sparse.append(await batcher.submit({"input": images(1, seed=index)}))
+            await asyncio.sleep(0.3)
+        # Then a stream at 200 requests/s: more are due within the delay, so batches form.
+        stream = []
+        for index in range(12):
+            stream.append(batcher.submit({"input": images(1, seed=index)}))
+            await asyncio.sleep(0.005)
+        await asyncio.gather(*stream)
+        await batcher.stop()
+        return sparse, recorder.batches[3:]
+
+    sparse, stream_batches = asyncio.run(main())
+    if adaptive:
+        assert max(result.queue_s for result in sparse) < 0.05
+    else:
+        assert min(result.queue_s for result in sparse) >= 0.095
+    assert sum(stream_batches) == 12
+    assert max(stream_batches) >= 4
+
+
 def test_a_preferred_batch_size_goes_without_waiting(model_path: Path) -> None:
     recorder = Recorder()
 
