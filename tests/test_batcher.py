@@ -362,3 +362,33 @@ def test_policy_validation_names_the_key() -> None:
     assert info.value.fields["key"] == "serving.preferred_batch_sizes"
     with pytest.raises(ConfigError):
         BatchPolicy(priority_levels=1, default_priority_level=2)
+
+
+def test_replace_backends_moves_new_batches_and_drains_the_old_instance(tmp_path: Path) -> None:
+    old_model = tiny_classifier(tmp_path / "old" / "model.onnx", seed=1)
+    new_model = tiny_classifier(tmp_path / "new" / "model.onnx", seed=2)
+    old = make_backend(old_model, GatedBackend, max_batch=4)
+    new = make_backend(new_model, max_batch=4)
+    data = images(1, seed=9)
+
+    async def main() -> tuple[Any, Any, list[Any]]:
+        batcher = Batcher([old], BatchPolicy(max_batch_size=4, max_queue_delay_us=0))
+        batcher.start()
+        old.gate.clear()
+        in_flight = batcher.submit({"input": data})
+        await asyncio.get_running_loop().run_in_executor(None, old.running.wait, 5)
+        swap = asyncio.ensure_future(batcher.replace_backends([new]))
+        after = await batcher.submit({"input": data})  # served by the new model at once
+        assert not swap.done()  # the old instance still holds a batch
+        old.gate.set()
+        retired = await swap
+        before = await in_flight
+        await batcher.stop()
+        return before, after, retired
+
+    before, after, retired = asyncio.run(main())
+    np.testing.assert_allclose(before.outputs["logits"], reference_logits(old_model, data),
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(after.outputs["logits"], reference_logits(new_model, data),
+                               rtol=1e-4, atol=1e-5)
+    assert retired == [old]
