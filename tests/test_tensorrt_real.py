@@ -82,3 +82,37 @@ def test_real_dla_build(tmp_path: Path) -> None:
     result = build_engine(model, _config(tmp_path, dla_core=0, gpu_fallback=True))
     engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(result.plan)
     assert engine is not None
+
+
+def test_real_backend_builds_caches_and_matches_onnx_runtime(tmp_path: Path) -> None:
+    """On a board: the TensorRT backend builds the engine on first use, caches it, serves batches
+    through pycuda buffers (mapped on a Jetson) and agrees with ONNX Runtime within INT8 error."""
+    _real_tensorrt()
+    pytest.importorskip("pycuda.driver")
+    ort = pytest.importorskip("onnxruntime")
+    import numpy as np
+
+    from agent.backends.base import BackendOptions, ModelArtifacts
+    from agent.backends.tensorrt import TensorRTBackend
+
+    directory = tmp_path / "bundle"
+    directory.mkdir()
+    trt = _real_tensorrt()
+    _model(directory, int(trt.__version__.split(".")[0]) >= 11)
+    manifest = {
+        "inputs": [{"name": "images", "dtype": "float32", "shape": [-1, 3, -1, -1], "layout": "NCHW"}],
+        "outputs": [{"name": "features", "dtype": "float32", "shape": [-1, 4, -1, -1]}],
+        "precision": {"int8_layers": ["conv0"], "fp16_layers": ["conv1"], "fp32_layers": []},
+        "max_batch": 4, "opt_batch": 2, "engines": {},
+        "engine_profile": {"batch": [1, 2, 4], "height": [16, 32, 64], "width": [16, 32, 64]},
+    }
+    artifacts = ModelArtifacts("tiny", 1, directory, manifest, tmp_path / "engines")
+    images = np.random.default_rng(0).normal(size=(3, 3, 32, 32)).astype(np.float32)
+    session = ort.InferenceSession(str(directory / "model.onnx"), providers=["CPUExecutionProvider"])
+    expected = session.run(["features"], {"images": images})[0]
+    for _ in range(2):  # the second activation loads the cached plan
+        backend = TensorRTBackend(artifacts, BackendOptions(max_batch_size=4))
+        with backend:
+            got = backend.infer({"images": images})["features"]
+        np.testing.assert_allclose(got, expected, rtol=0.05, atol=0.05)
+    assert list((tmp_path / "engines").glob("*.plan"))
