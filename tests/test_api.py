@@ -132,6 +132,17 @@ def test_infer_matches_the_onnx_model(client: Any, model_path: Path, binary_in: 
     assert response["model_version"] == "1"
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests_and_responses(client: Any, model_path: Path, algorithm: str) -> None:
+    data = frames(2, seed=6)
+    tensor = http.InferInput("input", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data)
+    result = client.infer("tiny", [tensor], request_compression_algorithm=algorithm,
+                          response_compression_algorithm=algorithm)
+    np.testing.assert_allclose(result.as_numpy("logits"), reference_logits(model_path, data),
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_versioned_url_and_concurrent_clients(server: ServerThread, model_path: Path) -> None:
     data = frames(16, seed=2)
     expected = reference_logits(model_path, data)

@@ -257,10 +257,12 @@ class InferenceServer:
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body in one piece. With a Content-Length, read exactly that much (one
-        join of the received chunks, where ``request.read()`` copies twice); chunked bodies go
-        through aiohttp's reader, which enforces the size limit itself."""
+        join of the received chunks, where ``request.read()`` copies twice); chunked and
+        compressed bodies go through aiohttp's reader, which enforces the size limit itself."""
         length = request.content_length
-        if length is None:
+        if length is None or request.headers.get("Content-Encoding", "identity") != "identity":
+            # Chunked or compressed (tritonclient's request_compression_algorithm): aiohttp
+            # decompresses, so Content-Length is not the size of what it hands over.
             return await request.read()
         if length > self._max_body_bytes:
             raise RequestError("request body too large", status=413, limit=self._max_body_bytes,
