@@ -2,8 +2,9 @@
 
 A calibration directory holds one preprocessed sample per file: ``.npy`` (one array, for models
 with one input; shape C x H x W, or 1 x C x H x W) or ``.npz`` (one array per input name, for models
-with several inputs). Files are read in name order, so the same directory always gives the same
-set and the same data hash.
+with several inputs); or, for models with one image input, image files (PNG, JPEG, BMP, ...) with
+a preprocessing spec (``preprocessing.json`` beside them; see :mod:`models.images`). Files are read
+in name order, so the same directory always gives the same set and the same data hash.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +35,7 @@ class CalibrationSet:
 
     arrays: dict[str, np.ndarray]
     source: str
+    preprocessing: dict[str, object] | None = None  # the image spec, when built from images
 
     def __len__(self) -> int:
         return int(next(iter(self.arrays.values())).shape[0])
@@ -136,18 +139,42 @@ def _read_file(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
 
 
 def from_directory(
-    directory: Path, inputs: list[TensorSpec], samples: int = DEFAULT_SAMPLES
+    directory: Path,
+    inputs: list[TensorSpec],
+    samples: int = DEFAULT_SAMPLES,
+    *,
+    preprocessing: Path | None = None,
 ) -> CalibrationSet:
-    """Read up to ``samples`` files (name order) from ``directory``; see the module docstring."""
+    """Read up to ``samples`` files (name order) from ``directory``; see the module docstring.
+
+    Args:
+        preprocessing: The spec for image files; default ``directory/preprocessing.json``.
+    """
+    from models.images import IMAGE_SUFFIXES, SPEC_FILE, ImagePreprocessing
+
     directory = Path(directory)
     if not directory.is_dir():
         raise CalibrationError("calibration directory not found", path=directory)
-    files = sorted(path for path in directory.iterdir() if path.suffix in (".npy", ".npz") and path.is_file())
+    entries = sorted(path for path in directory.iterdir() if path.is_file())
+    arrays_files = [path for path in entries if path.suffix in (".npy", ".npz")]
+    image_files = [path for path in entries if path.suffix.lower() in IMAGE_SUFFIXES]
+    if arrays_files and image_files:
+        raise CalibrationError("calibration directory mixes arrays (.npy/.npz) and images",
+                               path=directory)
+    spec: ImagePreprocessing | None = None
+    if image_files:
+        if len(inputs) != 1:
+            raise CalibrationError("image calibration needs a model with one input; give .npz "
+                                   "samples instead", path=directory,
+                                   inputs=", ".join(item.name for item in inputs))
+        spec = ImagePreprocessing.from_file(preprocessing or directory / SPEC_FILE)
+    files = image_files or arrays_files
     count = _check_count(len(files), samples, str(directory))
-    per_input: dict[str, list[np.ndarray]] = {spec.name: [] for spec in inputs}
+    per_input: dict[str, list[np.ndarray]] = {item.name: [] for item in inputs}
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files[:count]:
-        for name, array in _read_file(path, inputs).items():
+        sample = _read_image(path, spec, inputs[0]) if spec else _read_file(path, inputs)
+        for name, array in sample.items():
             if shapes.setdefault(name, array.shape) != array.shape:
                 # One batch must stack: all samples of an input share a shape.
                 raise CalibrationError(
@@ -159,8 +186,21 @@ def from_directory(
                 )
             per_input[name].append(array)
     arrays = {name: np.stack(values) for name, values in per_input.items()}
-    log.info("read %d calibration samples from %s", count, directory)
-    return CalibrationSet(arrays, str(directory))
+    log.info("read %d calibration %s from %s", count, "images" if spec else "samples", directory)
+    return CalibrationSet(arrays, str(directory), spec.to_manifest() if spec else None)
+
+
+def _read_image(path: Path, spec: Any, input_spec: TensorSpec) -> dict[str, np.ndarray]:
+    array = spec.load(path)
+    if not _matches(tuple(array.shape), input_spec):
+        raise CalibrationError(
+            "preprocessed image does not fit the model input",
+            path=path,
+            input=input_spec.name,
+            expected=["N" if dim == -1 else dim for dim in input_spec.shape[1:]],
+            found=list(array.shape),
+        )
+    return {input_spec.name: array.astype(input_spec.dtype, copy=False)}
 
 
 class CalibrationReader:

@@ -42,6 +42,7 @@ class BuildOptions:
     checkpoint: Path | None = None
     onnx: Path | None = None
     calib_dir: Path | None = None
+    calib_preprocess: Path | None = None  # spec for image files in calib_dir
     prune_ratio: float | None = None
     prune_target_macs: int | None = None
     prune_importance: str = "l2"
@@ -355,18 +356,20 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
     model = stages.run("load user model", load_user_model, options.user_model, options.checkpoint)
     probe = from_directory(options.calib_dir,
                            [TensorSpec("input", "float32", (-1, -1, -1, -1), ("batch",) * 4)],
-                           samples=1)
+                           samples=1, preprocessing=options.calib_preprocess)
     example = torch.from_numpy(probe.arrays["input"])
     exported = stages.run("export ONNX", export_onnx, model, example)
     report["export"] = _export_report(exported)
     inputs, _ = io_specs(onnx.load_from_string(exported.model_bytes))
-    calibration = from_directory(options.calib_dir, inputs, options.calib_samples)
+    calibration = from_directory(options.calib_dir, inputs, options.calib_samples,
+                                 preprocessing=options.calib_preprocess)
     evaluator = _agreement_evaluator(exported.model_bytes, calibration)
     meta = {
         "name": _slug(options.user_model.split(":")[-1]),
         "source": {"kind": "pytorch", "model": options.user_model,
                    "checkpoint": str(options.checkpoint) if options.checkpoint else None},
         "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
+        "preprocessing": calibration.preprocessing,
         "input_name": exported.input_name,
         "sample_shape": tuple(example.shape[1:]),
         "dynamic_spatial": exported.dynamic_spatial,
@@ -385,7 +388,8 @@ def _from_onnx(options: BuildOptions, report: dict[str, Any]):
 
     raw = load_onnx(options.onnx)
     inputs, _ = io_specs(raw)
-    calibration = from_directory(options.calib_dir, inputs, options.calib_samples)
+    calibration = from_directory(options.calib_dir, inputs, options.calib_samples,
+                                 preprocessing=options.calib_preprocess)
     cleaned = clean_onnx(raw)
     report["export"] = {
         "node_counts_before": node_counts(raw),
@@ -398,6 +402,7 @@ def _from_onnx(options: BuildOptions, report: dict[str, Any]):
         "name": _slug(options.onnx.stem),
         "source": {"kind": "onnx", "path": str(options.onnx)},
         "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
+        "preprocessing": calibration.preprocessing,
         "input_name": first.name,
         "sample_shape": tuple(calibration.arrays[first.name].shape[1:]),
         "dynamic_spatial": len(first.shape) == 4 and first.shape[2] == -1 and first.shape[3] == -1,

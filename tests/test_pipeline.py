@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 
 from agent.cli import main  # noqa: E402
-from models.bundle import open_bundle  # noqa: E402
+from models.bundle import inspect_bundle, open_bundle  # noqa: E402
 from models.data import load_digits_splits  # noqa: E402
 from models.signing import load_public_key, write_keypair  # noqa: E402
 from tests.helpers import write_samples  # noqa: E402
@@ -223,3 +223,28 @@ def test_user_checkpoint_that_does_not_fit_is_refused(tmp_path, keys, digits_onn
                   str(checkpoint), "--calib-dir", str(calib), "--key", str(keys), "--out", str(out)], capsys)
     assert "checkpoint does not match the model" in err
     assert _outputs(out) == set()
+
+
+def test_build_from_onnx_calibrates_on_images_and_records_their_preprocessing(
+        tmp_path, keys, digits_onnx):
+    image_module = pytest.importorskip("PIL.Image")
+    from sklearn.datasets import load_digits
+
+    model_path, _ = digits_onnx
+    calib = tmp_path / "frames"
+    calib.mkdir()
+    raw = load_digits().images[:64]  # real 8x8 digits, 0..16
+    for index, digit in enumerate(raw):
+        gray = (digit * (255.0 / 16.0)).astype(np.uint8)
+        image_module.fromarray(np.stack([gray] * 3, axis=-1)).save(calib / f"d{index:03d}.png")
+    spec = {"resize": [16, 16], "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5],
+            "channel_order": "RGB"}
+    (calib / "preprocessing.json").write_text(json.dumps(spec))
+    out = tmp_path / "out"
+    assert main(["build", "--onnx", str(model_path), "--calib-dir", str(calib), "--key", str(keys),
+                 "--out", str(out), "--calib-samples", "64", "--json"]) == 0
+    bundle = next(out.glob("*.bundle"))
+    manifest = inspect_bundle(bundle)["manifest"]
+    assert manifest["preprocessing"]["resize"] == [16, 16]
+    assert manifest["preprocessing"]["mean"] == [0.5, 0.5, 0.5]
+    assert manifest["calibration"]["samples"] == 64

@@ -28,7 +28,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--onnx", type=Path, metavar="MODEL", help="an ONNX model (no pruning)")
     build.add_argument("--checkpoint", type=Path, help="state dict for --user-model")
     build.add_argument("--calib-dir", type=Path, metavar="DIR",
-                       help="directory of .npy/.npz preprocessed input samples, one per file")
+                       help="directory of .npy/.npz preprocessed input samples, one per file, or "
+                            "of images with a preprocessing spec")
+    build.add_argument("--calib-preprocess", type=Path, metavar="FILE",
+                       help="preprocessing spec (JSON) for image files in --calib-dir "
+                            "(default: DIR/preprocessing.json)")
     build.add_argument("--prune", type=float, metavar="RATIO", dest="prune_ratio",
                        help="fraction of channels to remove, in [0, 1)")
     build.add_argument("--prune-target-macs", type=float, metavar="GMACS",
@@ -79,6 +83,7 @@ def run_build(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint,
         onnx=args.onnx,
         calib_dir=args.calib_dir,
+        calib_preprocess=args.calib_preprocess,
         prune_ratio=args.prune_ratio,
         prune_target_macs=int(args.prune_target_macs * 1e9) if args.prune_target_macs else None,
         prune_importance=args.importance,
