@@ -38,7 +38,7 @@ MODEL = "resnet18-digits"
 
 @dataclass(frozen=True)
 class PipelineBenchConfig:
-    prune_ratio: float = 0.6
+    prune_ratio: float = 0.75
     finetune_epochs: int = 4
     threads: int = 2
     size: int = 224

@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="PyTorch FP32 vs pruned vs INT8 (ONNX Runtime), ResNet-18 at 224x224",
     )
     pipeline.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
-    pipeline.add_argument("--prune", type=float, default=0.6, metavar="RATIO")
+    pipeline.add_argument("--prune", type=float, default=0.75, metavar="RATIO")
     pipeline.add_argument("--finetune-epochs", type=int, default=4)
     pipeline.add_argument("--threads", type=int, default=2)
     pipeline.add_argument("--size", type=int, default=224)
