@@ -1,0 +1,112 @@
+"""Folding ReLUs into INT8 quantization for ONNX Runtime (models/ort_relu.py), on small real QDQ
+graphs built with the onnx helper API."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from models.ort import create_session  # noqa: E402
+from models.ort_relu import fold_relu_into_quantize  # noqa: E402
+
+
+def qdq(name: str, source: str, scale: float, nodes: list, inits: list) -> str:
+    """Append a symmetric INT8 Q/DQ pair on ``source``; returns the dequantized tensor."""
+    inits += [numpy_helper.from_array(np.array(scale, np.float32), f"{name}_s"),
+              numpy_helper.from_array(np.array(0, np.int8), f"{name}_z")]
+    nodes += [helper.make_node("QuantizeLinear", [source, f"{name}_s", f"{name}_z"], [f"{name}_q"],
+                               name=f"{name}_Q"),
+              helper.make_node("DequantizeLinear", [f"{name}_q", f"{name}_s", f"{name}_z"],
+                               [f"{name}_dq"], name=f"{name}_DQ")]
+    return f"{name}_dq"
+
+
+def conv_relu_model(*, residual: bool = False) -> onnx.ModelProto:
+    """input -> QDQ -> Conv -> QDQ -> Relu -> QDQ -> Conv (-> Add with the Relu branch)."""
+    rng = np.random.default_rng(0)
+    nodes: list = []
+    inits: list = []
+    x = qdq("in", "input", 0.03, nodes, inits)
+    for index in (0, 1):
+        weight = rng.normal(0, 0.3, (8, 3 if index == 0 else 8, 3, 3)).astype(np.float32)
+        inits.append(numpy_helper.from_array(weight, f"w{index}"))
+        w = qdq(f"w{index}", f"w{index}", float(np.abs(weight).max() / 127), nodes, inits)
+        inits.append(numpy_helper.from_array(rng.normal(0, 0.1, 8).astype(np.float32), f"b{index}"))
+        nodes.append(helper.make_node("Conv", [x, w, f"b{index}"], [f"conv{index}"], pads=[1] * 4,
+                                      name=f"conv{index}"))
+        if index == 0:
+            pre = qdq("pre", "conv0", 0.05, nodes, inits)
+            nodes.append(helper.make_node("Relu", [pre], ["relu0"], name="relu0"))
+            x = qdq("post", "relu0", 0.04, nodes, inits)
+            if residual:
+                skip = qdq("skip", "relu0", 0.04, nodes, inits)
+    output = "conv1"
+    if residual:
+        nodes.append(helper.make_node("Add", ["conv1", skip], ["sum"], name="add"))
+        output = "sum"
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 3, 8, 8])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["n", 8, 8, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def run(model: onnx.ModelProto, data: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"input": data})[0]
+
+
+def test_a_conv_relu_chain_is_folded_and_computes_the_same() -> None:
+    model = conv_relu_model()
+    data = np.random.default_rng(1).normal(size=(4, 3, 8, 8)).astype(np.float32)
+    before = run(model, data)
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    assert fold_relu_into_quantize(folded) == 1
+    onnx.checker.check_model(folded)
+    nodes = {node.name: node for node in folded.graph.node}
+    assert "pre_Q" not in nodes and "pre_DQ" not in nodes
+    assert nodes["relu0"].input[0] == "conv0"
+    inits = {tensor.name: numpy_helper.to_array(tensor) for tensor in folded.graph.initializer}
+    assert int(inits[nodes["post_Q"].input[2]]) == -128
+    assert nodes["post_DQ"].input[1:3] == nodes["post_Q"].input[1:3]
+    after = run(folded, data)
+    # The post-ReLU step halves and one rounding goes: the results stay within a few steps of
+    # the output quantization of the original graph.
+    assert np.abs(after - before).max() < 0.25
+    assert np.abs(after - before).mean() < 0.03
+
+
+def test_a_relu_feeding_two_quantizers_is_left_alone() -> None:
+    model = conv_relu_model(residual=True)
+    assert fold_relu_into_quantize(model) == 0
+    assert any(node.name == "pre_Q" for node in model.graph.node)
+
+
+def test_float_models_and_already_folded_ones_do_not_change() -> None:
+    model = conv_relu_model()
+    assert fold_relu_into_quantize(model) == 1
+    assert fold_relu_into_quantize(model) == 0  # the post-ReLU Q is no longer symmetric
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["input"], ["out"])], "f",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 3])])
+    assert fold_relu_into_quantize(helper.make_model(graph)) == 0
+
+
+def test_create_session_folds_by_default_and_can_be_told_not_to() -> None:
+    model = conv_relu_model().SerializeToString()
+    data = np.random.default_rng(2).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    original = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(
+        None, {"input": data})[0]
+    unfolded = create_session(model, threads=1, fold_relu=False).run(None, {"input": data})[0]
+    folded = create_session(model, threads=1).run(None, {"input": data})[0]
+    np.testing.assert_array_equal(unfolded, original)
+    assert not np.array_equal(folded, original)  # the rewrite really ran
+    assert np.abs(folded - original).max() < 0.25
