@@ -71,10 +71,12 @@ def test_a_conv_relu_chain_is_folded_and_computes_the_same() -> None:
     assert fold_relu_into_quantize(folded) == 1
     onnx.checker.check_model(folded)
     nodes = {node.name: node for node in folded.graph.node}
-    assert "pre_Q" not in nodes and "pre_DQ" not in nodes
-    assert nodes["relu0"].input[0] == "conv0"
+    assert not {"pre_Q", "pre_DQ", "relu0"} & set(nodes)
+    assert nodes["post_Q"].input[0] == "conv0"
     inits = {tensor.name: numpy_helper.to_array(tensor) for tensor in folded.graph.initializer}
-    assert int(inits[nodes["post_Q"].input[2]]) == -128
+    zero_point = inits[nodes["post_Q"].input[2]]
+    assert zero_point.dtype == np.uint8 and int(zero_point) == 0
+    np.testing.assert_allclose(inits[nodes["post_Q"].input[1]], 0.04 * 127 / 255, rtol=1e-6)
     assert nodes["post_DQ"].input[1:3] == nodes["post_Q"].input[1:3]
     after = run(folded, data)
     # The post-ReLU step halves and one rounding goes: the results stay within a few steps of
@@ -83,16 +85,31 @@ def test_a_conv_relu_chain_is_folded_and_computes_the_same() -> None:
     assert np.abs(after - before).mean() < 0.03
 
 
-def test_a_relu_feeding_two_quantizers_is_left_alone() -> None:
+def test_a_relu_feeding_two_quantizers_folds_into_one_shared_by_both_consumers() -> None:
     model = conv_relu_model(residual=True)
+    data = np.random.default_rng(3).normal(size=(2, 3, 8, 8)).astype(np.float32)
+    before = run(model, data)
+    assert fold_relu_into_quantize(model) == 1
+    onnx.checker.check_model(model)
+    nodes = {node.name: node for node in model.graph.node}
+    assert "skip_Q" not in nodes and "post_Q" in nodes
+    assert nodes["skip_DQ"].input[0] == nodes["post_DQ"].input[0] == "post_q"
+    after = run(model, data)
+    assert np.abs(after - before).max() < 0.25
+
+
+def test_a_relu_whose_quantizers_disagree_is_left_alone() -> None:
+    model = conv_relu_model(residual=True)
+    for tensor in model.graph.initializer:
+        if tensor.name == "skip_s":
+            tensor.CopyFrom(numpy_helper.from_array(np.array(0.05, np.float32), "skip_s"))
     assert fold_relu_into_quantize(model) == 0
-    assert any(node.name == "pre_Q" for node in model.graph.node)
 
 
 def test_float_models_and_already_folded_ones_do_not_change() -> None:
     model = conv_relu_model()
     assert fold_relu_into_quantize(model) == 1
-    assert fold_relu_into_quantize(model) == 0  # the post-ReLU Q is no longer symmetric
+    assert fold_relu_into_quantize(model) == 0  # no ReLU left
     graph = helper.make_graph(
         [helper.make_node("Relu", ["input"], ["out"])], "f",
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3])],
