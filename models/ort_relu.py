@@ -17,7 +17,8 @@ UINT8 activations with INT8 weights are what ONNX Runtime's x86 kernels use anyw
 INT8 activations to UINT8 itself), so ``QLinearConv`` and ``QLinearAdd`` still form. On ResNet-18
 (pruned, INT8, 224x224, 2 threads) all 17 ReLUs fold and the INT8 model runs 25-40% faster, with
 logits within INT8 noise of the original and the same predictions. TensorRT fuses these ReLUs
-itself and never sees this rewrite.
+itself and never sees this rewrite. Accuracy reports (``models.quantize.model_outputs``) run the
+model as the bundle carries it, without the rewrite.
 """
 
 from __future__ import annotations
