@@ -212,10 +212,10 @@ class ServingConfig(_Section):
     section: ClassVar[str] = "serving"
 
     backend: str = field(default="auto", metadata=_bounds(choices=BACKEND_CHOICES))
-    # 0: automatic. ONNX Runtime on the CPU gets two single-threaded instances on a machine with
-    # two or more cores (Triton's default for CPU models): a batch never waits for a second core
-    # that the HTTP loop holds, and two batches run at once. TensorRT gets one.
-    instances: int = field(default=0, metadata=_bounds(minimum=0))
+    # Execution instances. One instance using every core measured best on a 2-core CPU: two
+    # single-threaded instances have more raw throughput, but over HTTP they matched one at a
+    # higher P99 and twice the memory (docs in README, "bench serve").
+    instances: int = field(default=1, metadata=_bounds(minimum=1))
     # Intra-op CPU threads per instance; 0 divides the CPU cores among the instances.
     threads: int = field(default=0, metadata=_bounds(minimum=0))
     max_batch_size: int = field(default=32, metadata=_bounds(minimum=1))
@@ -263,18 +263,11 @@ class ServingConfig(_Section):
         """The level (1 = highest) given to a request that names none."""
         return self.default_priority_level or self.priority_levels
 
-    def resolved_instances(self, backend: str, cpu_count: int) -> int:
-        """``instances``, or the automatic choice for a concrete ``backend`` name."""
-        if self.instances:
-            return self.instances
-        return 1 if backend == "tensorrt" else max(1, min(2, cpu_count))
-
-    def threads_per_instance(self, cpu_count: int, instances: int | None = None) -> int:
-        """Intra-op threads for each of ``instances`` (default: the configured number, 1 when
-        automatic) on a machine with ``cpu_count`` cores."""
+    def threads_per_instance(self, cpu_count: int) -> int:
+        """Intra-op threads for each instance on a machine with ``cpu_count`` cores."""
         if self.threads:
             return self.threads
-        return max(1, cpu_count // (instances or self.instances or 1))
+        return max(1, cpu_count // self.instances)
 
 
 @dataclass(frozen=True, kw_only=True)

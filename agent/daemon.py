@@ -60,11 +60,11 @@ def batch_policy(config: AgentConfig, artifacts: ModelArtifacts) -> BatchPolicy:
     )
 
 
-def backend_options(config: AgentConfig, max_batch: int, instances: int) -> BackendOptions:
+def backend_options(config: AgentConfig, max_batch: int) -> BackendOptions:
     serving, trt = config.serving, config.tensorrt
     return BackendOptions(
         max_batch_size=max_batch,
-        threads=serving.threads_per_instance(os.cpu_count() or 1, instances),
+        threads=serving.threads_per_instance(os.cpu_count() or 1),
         extra={
             # TensorRT engine builds (the names of EngineBuildConfig's fields).
             "workspace_bytes": trt.workspace_mib << 20,
@@ -112,11 +112,10 @@ def start_backends(config: AgentConfig, artifacts: ModelArtifacts,
     already made and re-raise."""
     name = resolve_backend_name(config.serving.backend)
     cls = backend_class(name)
-    instances = config.serving.resolved_instances(name, os.cpu_count() or 1)
-    options = backend_options(config, policy.max_batch_size, instances)
+    options = backend_options(config, policy.max_batch_size)
     backends: list[Backend] = []
     try:
-        for _ in range(instances):
+        for _ in range(config.serving.instances):
             backend = cls(artifacts, options)
             backends.append(backend)
             backend.activate()

@@ -110,12 +110,7 @@ def test_threads_per_instance() -> None:
     assert ServingConfig(instances=4).threads_per_instance(6) == 1
     assert ServingConfig(instances=8).threads_per_instance(6) == 1  # never 0
     assert ServingConfig(instances=2, threads=3).threads_per_instance(6) == 3
-    automatic = ServingConfig()
-    assert automatic.resolved_instances("onnxruntime", 2) == 2
-    assert automatic.resolved_instances("onnxruntime", 1) == 1
-    assert automatic.resolved_instances("tensorrt", 8) == 1
-    assert ServingConfig(instances=3).resolved_instances("tensorrt", 8) == 3
-    assert automatic.threads_per_instance(2, automatic.resolved_instances("onnxruntime", 2)) == 1
+    assert ServingConfig().threads_per_instance(2) == 2
 
 
 def test_sections_are_frozen_and_keyword_only() -> None:
@@ -170,7 +165,7 @@ def test_file_values_are_applied(tmp_path: Path) -> None:
     assert config.serving.preferred_batch_sizes == (4, 16)
     assert (config.tensorrt.dla_core, config.tensorrt.fp16) == (1, False)
     assert config.log.level == "debug"
-    assert config.serving.instances == 0  # untouched keys keep their defaults
+    assert config.serving.instances == 1  # untouched keys keep their defaults
 
 
 def test_dotted_keys_at_top_level_work(tmp_path: Path) -> None:
@@ -287,7 +282,7 @@ INVALID_VALUES = [
     ("http.port", 65536, "0..65535"),
     ("http.max_body_bytes", 1023, ">= 1024"),
     ("serving.backend", "tensorflow", '"onnxruntime"'),
-    ("serving.instances", -1, ">= 0"),
+    ("serving.instances", 0, ">= 1"),
     ("serving.threads", -1, ">= 0"),
     ("serving.max_batch_size", 0, ">= 1"),
     ("serving.max_queue_delay_us", -1, ">= 0"),
