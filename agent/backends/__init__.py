@@ -55,7 +55,9 @@ def tensorrt_available() -> bool:
         cuda.init()
         return bool(cuda.Device.count())
     except Exception as exc:  # noqa: BLE001 - ImportError, or a CUDA driver error without a GPU
-        log.debug("TensorRT backend unavailable: %s", exc)
+        # TensorRT is installed, so this is a board that should use it: say why it will not.
+        log.warning("TensorRT is installed but unusable (%s); serving with ONNX Runtime. "
+                    "Build pycuda against the board's CUDA (see README)", exc)
         return False
 
 
