@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -148,7 +148,6 @@ class _Counters:
     completed: int = 0
     batches: int = 0
     compute_ewma_s: float = 0.0
-    per_outcome: dict[str, int] = field(default_factory=collections.Counter)
 
 
 class Batcher:
@@ -267,10 +266,9 @@ class Batcher:
             raise InputError("request batch size out of range", found=batch_size,
                              maximum=self.max_batch_size)
         if policy.max_queue_size and self._queued >= policy.max_queue_size:
-            self._count("rejected")
             raise QueueFull("request queue is full", limit=policy.max_queue_size)
         now = time.monotonic()
-        timeout = policy.default_timeout_us if timeout_us in (None, 0) else int(timeout_us or 0)
+        timeout = int(timeout_us or policy.default_timeout_us)
         if timeout < 0:
             raise InputError("timeout must be >= 0 microseconds", found=timeout_us)
         future: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
@@ -399,6 +397,7 @@ class Batcher:
 
     def _expire(self, now: float) -> None:
         """Answer queued requests whose deadline passed; drop those whose client gave up."""
+        queued = self._queued
         for queue in self._queues:
             if not any(r.future.done() or (r.deadline is not None and r.deadline <= now)
                        for r in queue):
@@ -407,7 +406,7 @@ class Batcher:
             for request in queue:
                 if request.future.done():  # cancelled: the HTTP client went away
                     self._queued -= 1
-                    self._count("cancelled")
+                    self._finish(request, "cancelled")
                 elif request.deadline is not None and request.deadline <= now:
                     self._queued -= 1
                     self._finish(request, "timeout", error=DeadlineExceeded(
@@ -417,7 +416,8 @@ class Batcher:
                     kept.append(request)
             queue.clear()
             queue.extend(kept)
-        self._report_depth()
+        if self._queued != queued:
+            self._report_depth()
 
     def _fail_queued(self, error: AgentError) -> None:
         for queue in self._queues:
@@ -478,7 +478,6 @@ class Batcher:
 
     def _finish(self, request: _Request, outcome: str, *, result: InferenceResult | None = None,
                 error: BaseException | None = None) -> None:
-        self._count(outcome)
         if outcome == "success":
             self._counters.completed += 1
         if not request.future.done():
@@ -492,9 +491,6 @@ class Batcher:
             compute_s = result.compute_s if result else 0.0
             self._observer.request_done(outcome, queue_s=queue_s, compute_s=compute_s,
                                         total_s=total_s)
-
-    def _count(self, outcome: str) -> None:
-        self._counters.per_outcome[outcome] += 1
 
     def _report_depth(self) -> None:
         if self._observer is not None:

@@ -80,14 +80,14 @@ def _rss_mb(pid: int) -> tuple[float, float]:
 
 
 def _sample_shape(manifest: dict[str, Any], size: int) -> tuple[int, ...]:
-    shape = list(manifest["inputs"][0]["shape"][1:])
-    dynamic = [index for index, dim in enumerate(shape) if dim == -1]
-    for index in dynamic[-2:]:
-        shape[index] = size
-    if -1 in shape:
+    from agent.backends.base import frame_shape
+
+    declared = manifest["inputs"][0]["shape"]
+    shape = frame_shape(tuple(declared[1:]), size, size)
+    if shape is None:
         raise ConfigError("the model's input has dynamic axes other than height and width",
-                          shape=manifest["inputs"][0]["shape"])
-    return tuple(shape)
+                          shape=declared)
+    return shape
 
 
 class RawBackend:

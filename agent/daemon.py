@@ -28,7 +28,7 @@ from agent.backends import (
     backend_class,
     resolve_backend_name,
 )
-from agent.backends.base import Backend
+from agent.backends.base import Backend, frame_shape
 from agent.batcher import BatchPolicy
 from agent.config import AgentConfig
 from agent.errors import StoreError
@@ -81,15 +81,14 @@ def warmup_shape(artifacts: ModelArtifacts, backend: Backend) -> dict[str, tuple
     """Per-sample input shapes for warm-up: fixed axes as they are, dynamic height and width at
     the engine profile's optimum (the deployment frame size)."""
     profile = artifacts.manifest.get("engine_profile") or {}
+    height, width = (int(profile.get(axis, [0, DEFAULT_WARMUP_SIZE])[1])
+                     for axis in ("height", "width"))
     shapes: dict[str, tuple[int, ...]] = {}
     for info in backend.inputs:
-        sample = list(info.sample_shape)
-        dynamic = [index for index, size in enumerate(sample) if size == -1]
-        for index, axis in zip(dynamic[-2:], ("height", "width")):
-            sample[index] = int(profile.get(axis, [0, DEFAULT_WARMUP_SIZE])[1])
-        if -1 in sample:
+        shape = frame_shape(info.sample_shape, height, width)
+        if shape is None:
             return None
-        shapes[info.name] = tuple(sample)
+        shapes[info.name] = shape
     return shapes
 
 
@@ -99,9 +98,9 @@ def warm_up(backend: Backend, artifacts: ModelArtifacts, batches: int, batch_siz
     if shapes is None or batches <= 0:
         return 0.0
     started = time.perf_counter()
+    inputs = {info.name: np.zeros((batch_size, *shapes[info.name]), dtype=info.dtype)
+              for info in backend.inputs}
     for _ in range(batches):
-        inputs = {name: np.zeros((batch_size, *shape), dtype=info.dtype)
-                  for info in backend.inputs for name, shape in shapes.items() if name == info.name}
         backend.infer(inputs)
     return time.perf_counter() - started
 

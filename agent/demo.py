@@ -115,7 +115,6 @@ async def _send_through_shared_memory(base: str, model: str, input_name: str,
     key = f"edge-agent-demo-{uuid.uuid4().hex[:8]}"
     path = Path("/dev/shm") / key
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    predictions: list[int] = []
     try:
         os.ftruncate(fd, frame.nbytes)
         with mmap.mmap(fd, frame.nbytes) as region:
@@ -160,8 +159,11 @@ async def _shm_requests(aiohttp: Any, base: str, model: str, input_name: str,
     return predictions
 
 
-def _percentile_ms(latencies: list[float], percent: float) -> float:
-    return float(np.percentile(np.asarray(latencies) * 1e3, percent)) if latencies else 0.0
+def _percentiles_ms(latencies: list[float]) -> list[float]:
+    from agent.loadgen import percentiles
+
+    return percentiles([seconds * 1e3 for seconds in latencies], (50, 90, 99)) if latencies \
+        else [0.0, 0.0, 0.0]
 
 
 def run_demo(options: DemoOptions) -> int:
@@ -212,8 +214,8 @@ def run_demo(options: DemoOptions) -> int:
     print(f"accuracy      {correct}/{len(labels)} = {100.0 * correct / len(labels):.2f}% "
           f"(held-out digits, {options.concurrency} concurrent clients)")
     print(f"throughput    {len(labels) / result['wall_s']:.1f} requests/s")
-    print(f"latency       p50 {_percentile_ms(latencies, 50):.1f} ms, "
-          f"p90 {_percentile_ms(latencies, 90):.1f} ms, p99 {_percentile_ms(latencies, 99):.1f} ms")
+    p50, p90, p99 = _percentiles_ms(latencies)
+    print(f"latency       p50 {p50:.1f} ms, p90 {p90:.1f} ms, p99 {p99:.1f} ms")
     stats = result["stats"]
     executions = max(1, stats["execution_count"])
     print(f"batching      {stats['inference_count']} samples in {stats['execution_count']} "

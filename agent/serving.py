@@ -83,8 +83,6 @@ class ModelService:
 
     def __init__(self, name: str, version: int, backends: Sequence[Backend], policy: BatchPolicy,
                  *, metrics: ServingMetrics | None = None, buffer_sets: int = 2) -> None:
-        if not backends:
-            raise ValueError("a model service needs at least one backend instance")
         self.name = name
         self.version = version
         self.metrics = metrics or ServingMetrics(name)

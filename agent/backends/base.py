@@ -99,6 +99,16 @@ class TensorInfo:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
 
 
+def frame_shape(sample_shape: tuple[int, ...], height: int, width: int) -> tuple[int, ...] | None:
+    """``sample_shape`` with its last two dynamic axes (height, width) set; None when another
+    axis is still dynamic."""
+    shape = list(sample_shape)
+    dynamic = [index for index, size in enumerate(shape) if size == -1]
+    for index, size in zip(dynamic[-2:], (height, width)):
+        shape[index] = size
+    return None if -1 in shape else tuple(shape)
+
+
 @dataclass(frozen=True)
 class ModelArtifacts:
     """An installed model version, as the store hands it to a backend."""

@@ -101,7 +101,7 @@ class OnnxRuntimeBackend(Backend):
         self._session: Any = None  # owned: created in activate, dropped in deactivate
         self._bindings: list[Any] = []  # one IOBinding per buffer set
         self._buffers: list[_BufferSet] = []
-        self._staged_shapes: dict[int, tuple[int, dict[str, tuple[int, ...]]]] = {}
+        self._staged: dict[int, int] = {}  # buffer set -> batch size staged in it
         self._slots = SlotPool(options.buffer_sets)
         self._lock = threading.Lock()
         self._inputs: tuple[TensorInfo, ...] = ()
@@ -145,7 +145,7 @@ class OnnxRuntimeBackend(Backend):
             binding.clear_binding_outputs()
         self._bindings = []
         self._buffers = []
-        self._staged_shapes.clear()
+        self._staged.clear()
         self._session = None
 
     # -- description --------------------------------------------------------------------
@@ -174,19 +174,19 @@ class OnnxRuntimeBackend(Backend):
             for info in self._inputs
         }
         with self._lock:
-            self._staged_shapes[slot] = (batch_size, {k: tuple(v) for k, v in sample_shapes.items()})
+            self._staged[slot] = batch_size
         return StagedBatch(batch_size, inputs, slot, self._release)
 
     def _release(self, slot: int) -> None:
         with self._lock:
-            self._staged_shapes.pop(slot, None)
+            self._staged.pop(slot, None)
         self._slots.release(slot)
 
     def run(self, batch: StagedBatch) -> dict[str, np.ndarray]:
         self._require_active()
         with self._lock:
-            staged = self._staged_shapes.get(batch.slot)
-        if staged is None or staged[0] != batch.batch_size:
+            staged = self._staged.get(batch.slot)
+        if staged != batch.batch_size:
             raise InternalError("run() on a batch that is not staged on this backend")
         binding = self._bindings[batch.slot]
         buffers = self._buffers[batch.slot]
