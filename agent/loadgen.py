@@ -4,17 +4,19 @@
 (PyTriton) serving the same model, so the two numbers differ only by the server.
 
 On a Jetson the generator shares the CPU with the server it measures, so it keeps its own work per
-request small: each sample is encoded once with the binary tensor extension, every request goes
-through one aiohttp session with a keep-alive pool on one event loop, and the bookkeeping is two
-``perf_counter`` readings and an append. Responses are still checked (status, then the output
-tensors decoded) so that a failing server shows up as counted errors, never as fast answers.
+request small: each sample's whole HTTP request is built once, requests go over keep-alive
+connections of :mod:`agent.httpconn` (an asyncio protocol with the ``httptools`` parser) on one
+event loop, and the bookkeeping is two ``perf_counter`` readings and an append. Responses are
+still checked (status, then the output tensors decoded) so that a failing server shows up as
+counted errors, never as fast answers.
 
-Needs only numpy and aiohttp (no torch, no ONNX Runtime) and runs on Python 3.10+.
+Needs only numpy and httptools (no torch, no ONNX Runtime) and runs on Python 3.10+.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -26,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from agent.deps import require
 from agent.errors import ConfigError
+from agent.httpconn import ConnectionPool, Endpoint, ResponseError, prepare
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -312,25 +314,23 @@ def stats_totals(document: Mapping[str, Any], model: str) -> dict[str, int] | No
 
 
 class _Client:
-    """Pre-encoded requests and one keep-alive session; ``infer`` returns an error kind or None."""
+    """Prepared requests over a keep-alive connection pool; ``infer`` returns an error kind or
+    None."""
 
-    def __init__(self, session: Any, target: Target) -> None:
-        self._aiohttp = _aiohttp()
-        self._session = session
+    def __init__(self, pool: ConnectionPool, target: Target) -> None:
+        self._pool = pool
         self._target = target
-        base = target.base_url.rstrip("/")
-        self._infer_url = f"{base}/v2/models/{target.model}/infer"
-        self._stats_url = f"{base}/v2/models/{target.model}/stats"
+        endpoint = pool.endpoint
         self._requests = []
         for sample in target.samples:
             body, header_length = encode_request(
                 target.input_name, sample, datatype=target.datatype, outputs=target.outputs
             )
-            headers = {
-                "Content-Type": "application/octet-stream",
-                HEADER_LENGTH: str(header_length),
-            }
-            self._requests.append((body, headers))
+            headers = {"Content-Type": "application/octet-stream",
+                       HEADER_LENGTH: str(header_length)}
+            self._requests.append(prepare(endpoint, "POST", f"/v2/models/{target.model}/infer",
+                                          body=body, headers=headers))
+        self._stats_request = prepare(endpoint, "GET", f"/v2/models/{target.model}/stats")
         self._next = 0
 
     def next_index(self) -> int:
@@ -339,20 +339,20 @@ class _Client:
         return index
 
     async def infer(self, index: int) -> str | None:
-        body, headers = self._requests[index]
         try:
-            async with self._session.post(self._infer_url, data=body, headers=headers) as response:
-                payload = await response.read()
-                status = response.status
-                header_length = response.headers.get(HEADER_LENGTH)
+            response = await self._pool.request(self._requests[index])
         except (asyncio.TimeoutError, TimeoutError):
             return ERROR_TIMEOUT
-        except (self._aiohttp.ClientError, OSError):
+        except OSError:
             return ERROR_CONNECTION
-        if status != 200:
-            return f"http_{status}"
+        except ResponseError:
+            return ERROR_DECODE
+        if response.status != 200:
+            return f"http_{response.status}"
+        header_length = response.headers.get(HEADER_LENGTH.lower())
         try:
-            outputs = decode_response(payload, int(header_length) if header_length else None)
+            outputs = decode_response(response.body,
+                                      int(header_length) if header_length else None)
         except ValueError:
             return ERROR_DECODE
         verify = self._target.verify
@@ -363,30 +363,17 @@ class _Client:
     async def stats(self) -> dict[str, int] | None:
         """The model's statistics counters, or None when the server has no such endpoint."""
         try:
-            timeout = self._aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)
-            async with self._session.get(self._stats_url, timeout=timeout) as response:
-                if response.status != 200:
-                    return None
-                document = await response.json(content_type=None)
-            return stats_totals(document, self._target.model)
-        except (asyncio.TimeoutError, TimeoutError, OSError, ValueError, AttributeError):
-            return None
-        except self._aiohttp.ClientError:
+            response = await self._pool.request(self._stats_request, timeout_s=STATS_TIMEOUT_S)
+            if response.status != 200:
+                return None
+            return stats_totals(json.loads(response.body), self._target.model)
+        except (asyncio.TimeoutError, TimeoutError, OSError, ResponseError, ValueError,
+                AttributeError):
             return None
 
 
-def _aiohttp() -> Any:
-    return require("aiohttp", extra="device", purpose="the HTTP load generator")
-
-
-def _session(connections: int, timeout_s: float) -> Any:
-    aiohttp = _aiohttp()
-    connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=timeout_s),
-        cookie_jar=aiohttp.DummyCookieJar(),
-    )
+def _pool(target: Target, timeout_s: float) -> ConnectionPool:
+    return ConnectionPool(Endpoint.parse(target.base_url), timeout_s=timeout_s)
 
 
 def _check_window(duration_s: float, warmup_s: float) -> None:
@@ -465,9 +452,9 @@ async def run_closed_loop(
     if concurrency < 1:
         raise ConfigError("concurrency must be at least 1", concurrency=concurrency)
     _check_window(duration_s, warmup_s)
-    # One connection more than the workers, so the statistics reads never queue behind them.
-    async with _session(concurrency + 1, timeout_s) as session:
-        client = _Client(session, target)
+    # The statistics reads get a connection of their own: the pool opens one when all are busy.
+    with contextlib.closing(_pool(target, timeout_s)) as pool:
+        client = _Client(pool, target)
         latencies_s: list[float] = []
         errors: Counter[str] = Counter()
         sent = 0
@@ -549,8 +536,8 @@ async def run_open_loop(
         raise ConfigError("max_in_flight must be at least 1", max_in_flight=max_in_flight)
     _check_window(duration_s, warmup_s)
     arrivals = random.Random(seed)
-    async with _session(max_in_flight + 1, timeout_s) as session:
-        client = _Client(session, target)
+    with contextlib.closing(_pool(target, timeout_s)) as pool:
+        client = _Client(pool, target)
         latencies_s: list[float] = []
         errors: Counter[str] = Counter()
         sent = 0

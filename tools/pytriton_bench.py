@@ -11,7 +11,7 @@ creates:
         --threads 2 --port 8010 --concurrency 1,4,16,64 --duration-s 10 --out result.json
 
 The script starts itself again with ``--serve-only`` as the server process, waits until the model is
-ready, then drives the load from this process. The load generator needs only numpy and aiohttp, so
+ready, then drives the load from this process. The load generator needs only numpy and httptools, so
 it runs in the same venv, but in its own process: in the server's process it would compete with
 PyTriton's proxy threads for the GIL. Memory is read from /proc for the server process and its
 children (tritonserver and the Python backend stub). ``--serve-only`` alone serves until Ctrl-C.

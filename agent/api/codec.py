@@ -86,8 +86,9 @@ def _parameters(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
     return parameters
 
 
-def decode_request(body: bytes, header_length: str | None, model_inputs: Sequence[TensorInfo],
-                   model_outputs: Sequence[TensorInfo], shm: SharedMemory | None) -> InferRequest:
+def decode_request(body: bytes | memoryview, header_length: str | None,
+                   model_inputs: Sequence[TensorInfo], model_outputs: Sequence[TensorInfo],
+                   shm: SharedMemory | None) -> InferRequest:
     """Decode and validate one ``/infer`` body against the model's inputs and outputs."""
     if header_length is not None:
         try:
@@ -97,9 +98,10 @@ def decode_request(body: bytes, header_length: str | None, model_inputs: Sequenc
         if not 0 < json_length <= len(body):
             raise RequestError(f"{HEADER_LENGTH} does not fit the body", found=json_length,
                                body_bytes=len(body))
-        header, binary = body[:json_length], memoryview(body)[json_length:]
+        view = memoryview(body)
+        header, binary = bytes(view[:json_length]), view[json_length:]
     else:
-        header, binary = body, memoryview(b"")
+        header, binary = bytes(body), memoryview(b"")
     document = _json_object(header)
     request_parameters = _parameters(document, "request")
     entries = document.get("inputs")

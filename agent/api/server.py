@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from agent import __version__
@@ -134,6 +135,9 @@ class InferenceServer:
 
     def _routes(self) -> None:
         add = self.app.router.add_route
+        # The router tries routes in order: inference, the hot path, comes first.
+        for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            add("POST", prefix + "/infer", self._infer)
         add("GET", "/v2/health/live", self._live)
         add("GET", "/v2/health/ready", self._ready)
         add("GET", "/v2", self._server_metadata)
@@ -144,7 +148,6 @@ class InferenceServer:
             add("GET", prefix + "/ready", self._model_ready)
             add("GET", prefix + "/config", self._model_config)
             add("GET", prefix + "/stats", self._model_stats)
-            add("POST", prefix + "/infer", self._infer)
         add("GET", "/v2/systemsharedmemory/status", self._shm_status)
         add("GET", "/v2/systemsharedmemory/region/{name}/status", self._shm_status)
         add("POST", "/v2/systemsharedmemory/region/{name}/register", self._shm_register)
@@ -255,10 +258,11 @@ class InferenceServer:
         metrics.observe_request(time.perf_counter() - started)
         return web.Response(body=payload, headers=headers)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The request body in one piece. With a Content-Length, read exactly that much (one
-        join of the received chunks, where ``request.read()`` copies twice); chunked and
-        compressed bodies go through aiohttp's reader, which enforces the size limit itself."""
+    async def _read_body(self, request: web.Request) -> bytes | memoryview:
+        """The request body in one piece. With a Content-Length, each chunk the parser hands over
+        is copied once, straight into a buffer of the announced size (``request.read()`` and
+        ``readexactly()`` join chunks once or twice more); chunked and compressed bodies go
+        through aiohttp's reader, which enforces the size limit itself."""
         length = request.content_length
         if length is None or request.headers.get("Content-Encoding", "identity") != "identity":
             # Chunked or compressed (tritonclient's request_compression_algorithm): aiohttp
@@ -267,11 +271,20 @@ class InferenceServer:
         if length > self._max_body_bytes:
             raise RequestError("request body too large", status=413, limit=self._max_body_bytes,
                                found=length)
-        try:
-            return await request.content.readexactly(length)
-        except asyncio.IncompleteReadError as exc:
-            raise RequestError("request body ended early", expected=length,
-                               found=len(exc.partial)) from None
+        body = np.empty(length, dtype=np.uint8).data  # a memoryview; no zero-filling
+        received = 0
+        content = request.content
+        while received < length:
+            chunk, _ = await content.readchunk()  # one received chunk, never a join of several
+            if not chunk:
+                raise RequestError("request body ended early", expected=length, found=received)
+            end = received + len(chunk)
+            if end > length:
+                raise RequestError("request body longer than its Content-Length",
+                                   expected=length)
+            body[received:end] = chunk
+            received = end
+        return body
 
     # -- system shared memory -----------------------------------------------------------
 
