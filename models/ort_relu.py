@@ -14,7 +14,10 @@ zero: the ReLU itself is then redundant. For the session only, this rewrite
   same range ``[0, 127 s]`` as the symmetric INT8 tensor had, at a finer step.
 
 UINT8 activations with INT8 weights are what ONNX Runtime's x86 kernels use anyway (it converts
-INT8 activations to UINT8 itself), so ``QLinearConv`` and ``QLinearAdd`` still form. On ResNet-18
+INT8 activations to UINT8 itself), so ``QLinearConv`` and ``QLinearAdd`` still form. A MaxPool
+reading a folded tensor gets the same UINT8 quantization on its output (one quantizer, shared by
+its consumers), so ONNX Runtime pools the 8-bit values in place instead of a float round trip with
+layout transposes around it (ResNet-18 INT8, 224x224, batch 8: 270 -> 397 img/s). On ResNet-18
 (pruned, INT8, 224x224, 2 threads) all 17 ReLUs fold and the INT8 model runs 25-40% faster, with
 logits within INT8 noise of the original and the same predictions. TensorRT fuses these ReLUs
 itself and never sees this rewrite. Accuracy reports (``models.quantize.model_outputs``) run the
@@ -105,4 +108,75 @@ def fold_relu_into_quantize(model: Any) -> int:
         kept = [node for node in graph.node if id(node) not in removed]
         del graph.node[:]
         graph.node.extend(kept)
+    if folded:
+        _carry_through_max_pools(graph)
     return folded
+
+
+def _carry_through_max_pools(graph: Any) -> int:
+    """Give a MaxPool fed by a folded (UINT8, zero point 0) tensor the same quantization on its
+    output; returns how many MaxPools changed.
+
+    The maximum of non-negative values is non-negative, so the pool's output fits the same
+    unsigned range. With its input's scale and zero point on both sides, ONNX Runtime drops the
+    Q/DQ pair and pools the 8-bit values directly; otherwise (a UINT8 input, an INT8 output) it
+    dequantizes, pools in float and quantizes again, with layout transposes around the pool: a
+    quarter of ResNet-18's INT8 time at 224x224. Only a pool whose output was quantized with the
+    same range as its input (the symmetric scale ``s`` of which the input's is ``s * 127 / 255``)
+    changes, so the rewrite is exact."""
+    from onnx import numpy_helper
+
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    producer = {output: node for node in graph.node for output in node.output}
+    consumers: dict[str, list[Any]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    graph_outputs = {output.name for output in graph.output}
+
+    def quantization(node: Any) -> tuple[np.ndarray, np.ndarray] | None:
+        if len(node.input) < 3 or not all(name in initializers for name in node.input[1:3]):
+            return None
+        scale = numpy_helper.to_array(initializers[node.input[1]])
+        zero_point = numpy_helper.to_array(initializers[node.input[2]])
+        if scale.size != 1 or zero_point.size != 1 or int(zero_point) != 0:
+            return None
+        return scale, zero_point
+
+    changed = 0
+    duplicates: set[int] = set()
+    for pool in graph.node:
+        if pool.op_type != "MaxPool" or len(pool.output) != 1 or pool.output[0] in graph_outputs:
+            continue
+        source = producer.get(pool.input[0])
+        quantized_in = quantization(source) if source is not None else None
+        if (source is None or source.op_type != "DequantizeLinear" or quantized_in is None
+                or quantized_in[1].dtype != np.uint8):
+            continue
+        in_scale = float(quantized_in[0])
+        out_qs = consumers.get(pool.output[0], [])
+        out_dqs = [user for q in out_qs for user in consumers.get(q.output[0], [])]
+        if not out_qs or not out_dqs:
+            continue
+        quantized_out = [quantization(node) for node in (*out_qs, *out_dqs)]
+        if (any(q.op_type != "QuantizeLinear" or q.output[0] in graph_outputs for q in out_qs)
+                or any(dq.op_type != "DequantizeLinear" for dq in out_dqs)
+                or any(entry is None or entry[1].dtype != np.int8
+                       or not np.isclose(float(entry[0]) * 127.0 / 255.0, in_scale, rtol=1e-5)
+                       for entry in quantized_out)):
+            continue
+        for node in (*out_qs, *out_dqs):
+            node.input[1], node.input[2] = source.input[1], source.input[2]
+        # Now alike, the pool's quantizers become one (ONNX Runtime drops a Q/DQ pair only
+        # around a node with a single consumer).
+        for dq in out_dqs:
+            dq.input[0] = out_qs[0].output[0]
+        duplicates.update(id(node) for node in out_qs[1:])
+        changed += 1
+    if duplicates:
+        kept = [node for node in graph.node if id(node) not in duplicates]
+        del graph.node[:]
+        graph.node.extend(kept)
+    if changed:
+        log.debug("quantized %d MaxPool(s) as UINT8 like their inputs", changed)
+    return changed

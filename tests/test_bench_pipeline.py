@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -29,3 +30,20 @@ def test_bench_pipeline_writes_every_required_key(tmp_path, capsys):
     assert summary["pruned_macs_per_image"] < summary["macs_per_image"]
     assert set(summary["per_batch"]) == {"1", "8"}
     assert "speedup_pruned_int8" in capsys.readouterr().out
+
+
+def test_int8_reference_multiplies_integers_in_a_chain() -> None:
+    """The roofline's reference: ``depth`` chained INT8 matrix multiplies in ONNX Runtime, with
+    the result of the chain equal to the float chain up to the quantization."""
+    pytest.importorskip("onnxruntime")
+    from models.bench_pipeline import int8_matmul
+
+    call, macs = int8_matmul(64, threads=1, depth=3)
+    assert macs == 3 * 64**3
+    (out,) = call()
+    assert out.shape == (1, 64, 32, 2)
+    # Every value is a multiple of the output scale (0.05) within the INT8 range: the last
+    # multiply's result was quantized, not passed through in float.
+    steps = out / 0.05
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+    assert -128 <= steps.min() and steps.max() <= 127

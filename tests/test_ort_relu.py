@@ -3,6 +3,8 @@ graphs built with the onnx helper API."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -127,3 +129,77 @@ def test_create_session_folds_by_default_and_can_be_told_not_to() -> None:
     np.testing.assert_array_equal(unfolded, original)
     assert not np.array_equal(folded, original)  # the rewrite really ran
     assert np.abs(folded - original).max() < 0.25
+
+
+def pool_model(*, pool_scale: float = 0.04) -> onnx.ModelProto:
+    """input -> QDQ -> Conv -> QDQ -> Relu -> QDQ(0.04) -> MaxPool, whose output is quantized
+    twice (``pool_scale``, as ONNX's quantizer does for two consumers) and feeds a Conv and, as the
+    skip branch, an Add with that Conv's output: the stem of a ResNet."""
+    rng = np.random.default_rng(0)
+    nodes: list = []
+    inits: list = []
+    x = qdq("in", "input", 0.03, nodes, inits)
+    for index in (0, 1):
+        weight = rng.normal(0, 0.3, (8, 3 if index == 0 else 8, 3, 3)).astype(np.float32)
+        inits.append(numpy_helper.from_array(weight, f"w{index}"))
+        w = qdq(f"w{index}", f"w{index}", float(np.abs(weight).max() / 127), nodes, inits)
+        nodes.append(helper.make_node("Conv", [x, w], [f"conv{index}"], pads=[1] * 4,
+                                      name=f"conv{index}"))
+        if index == 0:
+            pre = qdq("pre", "conv0", 0.05, nodes, inits)
+            nodes.append(helper.make_node("Relu", [pre], ["relu0"], name="relu0"))
+            relu = qdq("post", "relu0", 0.04, nodes, inits)
+            nodes.append(helper.make_node("MaxPool", [relu], ["pool"], kernel_shape=[3, 3],
+                                          strides=[2, 2], pads=[1] * 4, name="pool"))
+            x = qdq("pool_a", "pool", pool_scale, nodes, inits)
+            skip = qdq("pool_b", "pool", pool_scale, nodes, inits)
+    out = qdq("conv1_out", "conv1", 0.05, nodes, inits)
+    nodes.append(helper.make_node("Add", [out, skip], ["sum"], name="add"))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 3, 16, 16])],
+        [helper.make_tensor_value_info("sum", TensorProto.FLOAT, ["n", 8, 8, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def float_pools_after_optimization(model: onnx.ModelProto, tmp_path: Path) -> int:
+    """How many MaxPools ONNX Runtime still runs on dequantized float input."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+    producer = {output: node for node in optimized.graph.node for output in node.output}
+    return sum(1 for node in optimized.graph.node if "MaxPool" in node.op_type
+               and getattr(producer.get(node.input[0]), "op_type", "") == "DequantizeLinear")
+
+
+def test_a_max_pool_after_a_folded_relu_is_quantized_like_its_input(tmp_path: Path) -> None:
+    model = pool_model()
+    data = np.random.default_rng(4).normal(size=(3, 3, 16, 16)).astype(np.float32)
+    before = run(model, data)
+    assert float_pools_after_optimization(model, tmp_path) == 1
+    assert fold_relu_into_quantize(model) == 1
+    onnx.checker.check_model(model)
+    nodes = {node.name: node for node in model.graph.node}
+    # One quantizer left after the pool, on the folded UINT8 parameters of its input.
+    assert "pool_b_Q" not in nodes
+    assert nodes["pool_b_DQ"].input[0] == nodes["pool_a_DQ"].input[0] == "pool_a_q"
+    assert nodes["pool_a_Q"].input[1:3] == nodes["post_DQ"].input[1:3]
+    for dq in ("pool_a_DQ", "pool_b_DQ"):
+        assert nodes[dq].input[1:3] == nodes["post_DQ"].input[1:3]
+    # ONNX Runtime now pools the 8-bit values directly, and the results stay within INT8 noise.
+    assert float_pools_after_optimization(model, tmp_path) == 0
+    after = run(model, data)
+    assert np.abs(after - before).max() < 0.3
+    assert np.abs(after - before).mean() < 0.05
+
+
+def test_a_max_pool_quantized_to_another_range_is_left_alone() -> None:
+    model = pool_model(pool_scale=0.05)
+    assert fold_relu_into_quantize(model) == 1  # the ReLU still folds
+    nodes = {node.name: node for node in model.graph.node}
+    assert {"pool_a_Q", "pool_b_Q"} <= set(nodes)
+    inits = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
+    assert inits[nodes["pool_a_Q"].input[2]].dtype == np.int8
