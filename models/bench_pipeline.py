@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from agent.fsutil import atomic_write_text
-from models.timing import time_call
+from models.timing import keep_large_allocations, time_call
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,9 @@ def run(config: PipelineBenchConfig, json_path: Path | None = None) -> dict[str,
     from models.train import predict, top1_accuracy
 
     torch.set_num_threads(config.threads)
+    if not keep_large_allocations():
+        log.warning("not glibc: PyTorch's large blocks are mapped afresh on each pass, which can "
+                    "slow the FP32 baseline")
     train_split, held_out = load_digits_splits(32)
     baseline = load_example(MODEL, threads=config.threads)
     example = torch.from_numpy(train_split.images[:2])
