@@ -3,9 +3,9 @@
 On a 2-core board every cycle the load generator spends is one the server under test does not get,
 so the generator sends requests whose bytes (request line, headers and body) were built once, and
 reads answers through ``httptools`` (the llhttp parser that uvicorn uses) on a plain asyncio
-protocol. Against aiohttp's client this halves the generator's CPU per request (measured on the
-development VM: 13% of a core at 700 req/s of 600 KB frames, 8% with this client); the kernel's
-share (copying each body into the socket) is the same for both.
+protocol. Against aiohttp's client this cuts the generator's CPU per request by more than a third
+(measured on the development VM at 700 req/s of 600 KB frames: 13% of a core, 8% with this
+client); what is left is mostly the kernel copying each body into the socket, the same for both.
 
 Only what a benchmark needs: ``http://`` URLs, requests prepared ahead with :func:`prepare`, one
 request at a time per connection, and a pool whose idle connections are reused most recently used
