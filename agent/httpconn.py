@@ -83,7 +83,6 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[Response] | None = None
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
-        self._header_name = b""
         self._headers_done = False
         self.closed = False
 
@@ -117,10 +116,8 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # llhttp may split a header across calls; a name arrives before its value.
-        if name:
-            self._header_name = name
-        self._headers[self._header_name.decode("latin-1").lower()] = value.decode("latin-1")
+        # httptools joins a header split across packets before calling this.
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         self._headers_done = True

@@ -29,6 +29,17 @@ class TensorSpec:
         return entry
 
 
+def graph_links(graph: Any) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """An ONNX graph's wiring: tensor name -> the node producing it, and tensor name -> the nodes
+    reading it (in graph order)."""
+    producers = {output: node for node in graph.node for output in node.output}
+    consumers: dict[str, list[Any]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return producers, consumers
+
+
 def load_onnx(path: Path) -> Any:
     """Load and check an ONNX file; a missing, truncated or invalid file raises ModelError."""
     onnx = require("onnx", extra="host", purpose="reading ONNX models")

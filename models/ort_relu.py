@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from models.onnx_model import graph_links
+
 log = logging.getLogger(__name__)
 
 
@@ -40,11 +42,7 @@ def fold_relu_into_quantize(model: Any) -> int:
 
     graph = model.graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
-    producer = {output: node for node in graph.node for output in node.output}
-    consumers: dict[str, list[Any]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    producer, consumers = graph_links(graph)
     graph_outputs = {output.name for output in graph.output}
 
     def sole_user(tensor: str, op_type: str) -> Any:
@@ -104,10 +102,7 @@ def fold_relu_into_quantize(model: Any) -> int:
             dq.input[1], dq.input[2] = new_scale.name, new_zero.name
         removed.update(id(node) for node in (pre_q, pre_dq, relu, *post_qs[1:]))
         folded += 1
-    if removed:
-        kept = [node for node in graph.node if id(node) not in removed]
-        del graph.node[:]
-        graph.node.extend(kept)
+    _remove_nodes(graph, removed)
     if folded:
         _carry_through_max_pools(graph)
     return folded
@@ -127,11 +122,7 @@ def _carry_through_max_pools(graph: Any) -> int:
     from onnx import numpy_helper
 
     initializers = {tensor.name: tensor for tensor in graph.initializer}
-    producer = {output: node for node in graph.node for output in node.output}
-    consumers: dict[str, list[Any]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    producer, consumers = graph_links(graph)
     graph_outputs = {output.name for output in graph.output}
 
     def quantization(node: Any) -> tuple[np.ndarray, np.ndarray] | None:
@@ -173,10 +164,15 @@ def _carry_through_max_pools(graph: Any) -> int:
             dq.input[0] = out_qs[0].output[0]
         duplicates.update(id(node) for node in out_qs[1:])
         changed += 1
-    if duplicates:
-        kept = [node for node in graph.node if id(node) not in duplicates]
-        del graph.node[:]
-        graph.node.extend(kept)
+    _remove_nodes(graph, duplicates)
     if changed:
         log.debug("quantized %d MaxPool(s) as UINT8 like their inputs", changed)
     return changed
+
+
+def _remove_nodes(graph: Any, node_ids: set[int]) -> None:
+    """Drop the nodes whose ``id()`` is in ``node_ids``, keeping the others' order."""
+    if node_ids:
+        kept = [node for node in graph.node if id(node) not in node_ids]
+        del graph.node[:]
+        graph.node.extend(kept)

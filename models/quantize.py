@@ -39,6 +39,7 @@ from agent.deps import require
 from agent.errors import CalibrationError, ConfigError, InternalError, QuantizationError
 from agent.fsutil import atomic_write_bytes
 from models.calibration import CalibrationReader, CalibrationSet
+from models.onnx_model import graph_links
 from models.ort import create_session
 
 log = logging.getLogger(__name__)
@@ -319,11 +320,7 @@ class QdqQuantizer:
 def _candidate_neighbours(model: Any, candidates: set[str]) -> dict[str, frozenset[str]]:
     """For each non-candidate node, the candidate layers it connects to through other
     non-candidate nodes (upstream and downstream)."""
-    producers = {output: node for node in model.graph.node for output in node.output}
-    consumers: dict[str, list[Any]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    producers, consumers = graph_links(model.graph)
     neighbours = {}
     for start in model.graph.node:
         if start.name in candidates:
