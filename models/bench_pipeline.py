@@ -157,7 +157,11 @@ def run(config: PipelineBenchConfig, json_path: Path | None = None) -> dict[str,
                 exported.model_bytes,
                 calibration,
                 evaluator,
-                QuantizeConfig(accuracy_budget=config.accuracy_budget, progress=False),
+                # The pruned model's budget is counted from the unpruned FP32 top-1, so that
+                # top1_drop (pruning and INT8 together) stays within it.
+                QuantizeConfig(accuracy_budget=config.accuracy_budget,
+                               reference_metric=None if name == "fp32" else variants["fp32"]["top1"],
+                               progress=False),
                 Path(tempfile.mkdtemp(dir=scratch)),
             )
             int8_name = "int8" if name == "fp32" else "pruned_int8"

@@ -18,7 +18,9 @@ Mixed precision: each candidate layer is quantized alone to measure how much INT
 (SQNR and cosine of the model output against FP32). If the fully quantized model misses the
 accuracy budget, the most sensitive layers are kept out of INT8 one by one until it is met; then
 every kept-out layer is tried back in INT8 (least sensitive first) and left there if the budget
-still holds, so the final set has no layer that can be dropped from it. Kept-out layers are
+still holds, so the final set has no layer that can be dropped from it. The budget is counted
+from ``QuantizeConfig.reference_metric`` when given: the build passes the unpruned model's top-1
+after pruning, so pruning and INT8 together stay within one budget. Kept-out layers are
 recorded in the bundle's precision plan as FP16 layers: TensorRT runs them in FP16 on the board.
 """
 
@@ -54,6 +56,10 @@ class QuantizeConfig:
     method: str = "entropy"
     percentile: float = 99.999
     accuracy_budget: float = 1.0  # points of the metric (top-1 or agreement, in percent)
+    # What the budget is counted from: the original model's metric when the model being quantized
+    # is already a derivative of it (pruned and fine-tuned), so that pruning and INT8 share one
+    # budget. None: the float model being quantized.
+    reference_metric: float | None = None
     batch_size: int = 32
     sensitivity_samples: int = 256
     progress: bool = True
@@ -65,6 +71,9 @@ class QuantizeConfig:
             )
         if not 0.0 <= self.accuracy_budget <= 100.0:
             raise ConfigError("accuracy budget must be in [0, 100] points", found=self.accuracy_budget)
+        if self.reference_metric is not None and not 0.0 <= self.reference_metric <= 100.0:
+            raise ConfigError("reference metric must be in [0, 100] points",
+                              found=self.reference_metric)
         if not 90.0 < self.percentile <= 100.0:
             raise ConfigError("percentile must be in (90, 100]", found=self.percentile)
 
@@ -100,11 +109,18 @@ class QuantizeResult:
     search_trace: list[dict[str, Any]]
     calibration: dict[str, Any]
     node_counts: dict[str, int]
+    reference_metric: float  # what the budget was counted from (see QuantizeConfig)
     seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def drop(self) -> float:
+        """What INT8 cost against the float model it was given."""
         return self.float_metric - self.int8_metric
+
+    @property
+    def budget_drop(self) -> float:
+        """The drop the budget was held to: from the reference (the unpruned model, if pruned)."""
+        return self.reference_metric - self.int8_metric
 
     def precision_plan(self) -> dict[str, list[str]]:
         return {"int8_layers": self.int8_layers, "fp16_layers": self.fp16_layers, "fp32_layers": []}
@@ -412,11 +428,12 @@ def measure_sensitivity(
 def search_mixed_precision(
     quantizer: QdqQuantizer,
     evaluator: Evaluator,
-    float_metric: float,
+    reference_metric: float,
     ranking: Sequence[str],
     budget: float,
 ) -> tuple[list[str], bytes, float, list[dict[str, Any]]]:
-    """Find a minimal set of layers to keep out of INT8 so that the metric drop <= ``budget``.
+    """Find a minimal set of layers to keep out of INT8 so that ``reference_metric`` minus the
+    metric is at most ``budget``.
 
     Returns:
         (kept-out layers, their QDQ model, its metric, a trace of every evaluation).
@@ -432,7 +449,7 @@ def search_mixed_precision(
             len(excluded),
             evaluator.metric_name,
             metric,
-            float_metric - metric,
+            reference_metric - metric,
             budget,
         )
         return model_bytes, metric
@@ -440,21 +457,21 @@ def search_mixed_precision(
     excluded: list[str] = []
     model_bytes, metric = evaluate(excluded)
     for name in ranking:
-        if float_metric - metric <= budget:
+        if reference_metric - metric <= budget:
             break
         excluded.append(name)
         model_bytes, metric = evaluate(excluded)
-    if float_metric - metric > budget:
+    if reference_metric - metric > budget:
         raise QuantizationError(
             "accuracy budget not met even with every candidate layer kept out of INT8",
             budget=budget,
-            drop=round(float_metric - metric, 3),
+            drop=round(reference_metric - metric, 3),
         )
     # Backward pass: put layers back into INT8 while the budget still holds (least sensitive first).
     for name in list(reversed(excluded[:-1])) if len(excluded) > 1 else []:
         trial = [layer for layer in excluded if layer != name]
         trial_bytes, trial_metric = evaluate(trial)
-        if float_metric - trial_metric <= budget:
+        if reference_metric - trial_metric <= budget:
             excluded, model_bytes, metric = trial, trial_bytes, trial_metric
     return excluded, model_bytes, metric, trace
 
@@ -472,9 +489,18 @@ def quantize_model(
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    quantizer = QdqQuantizer(float_model, calibration, config, workdir)
     float_outputs = evaluator.outputs(float_model)
     float_metric = evaluator.score(float_outputs)
+    reference = float_metric if config.reference_metric is None else config.reference_metric
+    if reference - float_metric > config.accuracy_budget:
+        raise QuantizationError(
+            "the float model is already further below the reference than the accuracy budget "
+            "allows, before any INT8 (prune less, or fine-tune longer)",
+            reference=round(reference, 3),
+            float_metric=round(float_metric, 3),
+            budget=config.accuracy_budget,
+        )
+    quantizer = QdqQuantizer(float_model, calibration, config, workdir)
 
     full_int8 = quantizer.quantize()
     timings["calibration_s"] = quantizer.calibration_seconds
@@ -504,7 +530,7 @@ def quantize_model(
     fp16_layers, model_bytes, metric, trace = search_mixed_precision(
         quantizer,
         evaluator,
-        float_metric,
+        reference,
         [layer.name for layer in sensitivity],
         config.accuracy_budget,
     )
@@ -522,6 +548,7 @@ def quantize_model(
         search_trace=trace,
         calibration=calibration.to_manifest(config.method),
         node_counts=node_counts(onnx.load_from_string(model_bytes)),
+        reference_metric=reference,
         seconds=timings,
     )
 

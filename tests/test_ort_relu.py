@@ -59,8 +59,17 @@ def conv_relu_model(*, residual: bool = False) -> onnx.ModelProto:
     return model
 
 
+def exact_options() -> ort.SessionOptions:
+    """Plain session options, but with exact INT8 accumulation on CPUs without VNNI (whose default
+    kernels saturate, see models/ort.py), so that results compare across machines."""
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.x64quantprecision", "1")
+    return options
+
+
 def run(model: onnx.ModelProto, data: np.ndarray) -> np.ndarray:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), exact_options(),
+                                   providers=["CPUExecutionProvider"])
     return session.run(None, {"input": data})[0]
 
 
@@ -122,7 +131,7 @@ def test_float_models_and_already_folded_ones_do_not_change() -> None:
 def test_create_session_folds_by_default_and_can_be_told_not_to() -> None:
     model = conv_relu_model().SerializeToString()
     data = np.random.default_rng(2).normal(size=(2, 3, 8, 8)).astype(np.float32)
-    original = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(
+    original = ort.InferenceSession(model, exact_options(), providers=["CPUExecutionProvider"]).run(
         None, {"input": data})[0]
     unfolded = create_session(model, threads=1, fold_relu=False).run(None, {"input": data})[0]
     folded = create_session(model, threads=1).run(None, {"input": data})[0]
@@ -171,8 +180,17 @@ def float_pools_after_optimization(model: onnx.ModelProto, tmp_path: Path) -> in
     ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     optimized = onnx.load(str(tmp_path / "optimized.onnx"))
     producer = {output: node for node in optimized.graph.node for output in node.output}
-    return sum(1 for node in optimized.graph.node if "MaxPool" in node.op_type
-               and getattr(producer.get(node.input[0]), "op_type", "") == "DequantizeLinear")
+
+    def source(tensor: str) -> str:
+        # Look through layout changes: on AVX2 CPUs ONNX Runtime runs float pools in its blocked
+        # NCHWc layout, behind a ReorderInput.
+        node = producer.get(tensor)
+        while node is not None and node.op_type in ("ReorderInput", "Transpose"):
+            node = producer.get(node.input[0])
+        return node.op_type if node is not None else ""
+
+    return sum(1 for node in optimized.graph.node
+               if "MaxPool" in node.op_type and source(node.input[0]) == "DequantizeLinear")
 
 
 def test_a_max_pool_after_a_folded_relu_is_quantized_like_its_input(tmp_path: Path) -> None:
@@ -203,3 +221,71 @@ def test_a_max_pool_quantized_to_another_range_is_left_alone() -> None:
     assert {"pool_a_Q", "pool_b_Q"} <= set(nodes)
     inits = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
     assert inits[nodes["pool_a_Q"].input[2]].dtype == np.int8
+
+
+def saturating_conv_model() -> onnx.ModelProto:
+    """One QDQ 1x1 convolution whose INT8 products are as large as they get: inputs near the top
+    of the range and every weight at +127. Adjacent pairs of such products overflow the 16-bit
+    sums of ONNX Runtime's fast U8S8 kernels on x86-64 CPUs without VNNI."""
+    nodes: list = []
+    inits: list = []
+    x = qdq("in", "input", 0.01, nodes, inits)
+    weight = np.full((4, 64, 1, 1), 1.27, np.float32)
+    inits.append(numpy_helper.from_array(weight, "w"))
+    w = qdq("w", "w", 0.01, nodes, inits)
+    nodes.append(helper.make_node("Conv", [x, w], ["conv"], name="conv"))
+    out = qdq("out", "conv", 1.0, nodes, inits)
+    graph = helper.make_graph(
+        nodes + [helper.make_node("Identity", [out], ["y"])], "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 64, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 4, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_create_session_accumulates_int8_products_exactly() -> None:
+    # Reference: the graph run op by op (no fusion), so Q/DQ are float ops and the convolution
+    # is a float convolution of exactly representable values, as TensorRT computes it.
+    model = saturating_conv_model().SerializeToString()
+    data = np.random.default_rng(5).uniform(1.0, 1.27, size=(2, 64, 4, 4)).astype(np.float32)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    expected = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"]).run(
+        None, {"input": data})[0]
+    assert 60 < expected.min() and expected.max() < 127  # in range: the output Q does not clip
+    assert "QLinearConv" in _optimized_op_types(model)  # the INT8 kernel is what gets tested
+    # Equal up to one output quantization step (float and integer sums may round a tie apart);
+    # saturated 16-bit pair sums would be off by tens of steps.
+    got = create_session(model, threads=1).run(None, {"input": data})[0]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1.0)
+
+
+def _optimized_op_types(model: bytes) -> set[str]:
+    """The node list ONNX Runtime ran: proves the INT8 kernel (not a float fallback) was tested."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        options = exact_options()
+        options.optimized_model_filepath = str(Path(scratch) / "optimized.onnx")
+        ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        return {node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node}
+
+
+@pytest.mark.parametrize("machine,flags,expected", [
+    ("x86_64", "fpu sse2 avx avx2 fma", True),  # AVX2 EPYC: pairs saturate in 16 bits
+    ("x86_64", "avx2 avx512f avx512bw", True),  # AVX-512 without VNNI: the same
+    ("x86_64", "avx2 avx512f avx512_vnni", False),
+    ("x86_64", "avx2 avx_vnni", False),
+    ("aarch64", "fp asimd asimddp", False),
+])
+def test_int8_saturation_is_detected_from_the_cpu_flags(tmp_path: Path, machine: str, flags: str,
+                                                         expected: bool) -> None:
+    from models.ort import int8_may_saturate
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    assert int8_may_saturate(cpuinfo, machine) is expected
+    # Unreadable flags on x86-64: assume the worst; exact kernels are slower, never wrong.
+    assert int8_may_saturate(tmp_path / "missing", "x86_64") is True

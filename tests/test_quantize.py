@@ -149,7 +149,33 @@ def test_search_reports_an_unreachable_budget(digits, trained_onnx, tmp_path):
         search_mixed_precision(quantizer, evaluator, 101.0, [n for n, _ in quantizer.candidates], 0.0)
 
 
-@pytest.mark.parametrize("field,value", [("method", "kl"), ("accuracy_budget", -1.0), ("percentile", 50.0)])
+def test_budget_counts_from_the_reference_metric(digits, trained_onnx, tmp_path):
+    # After pruning, the build passes the unpruned model's top-1 as the reference: the search must
+    # then hold INT8 to what is left of the budget, not to the whole budget from the pruned model.
+    from agent.errors import QuantizationError
+
+    train_split, held_out = digits
+    evaluator = Evaluator({"input": held_out.images}, held_out.labels)
+    calibration = from_array(train_split.images, "input", 256)
+    float_metric = evaluator(trained_onnx)
+    reference = float_metric + 0.9
+    result = quantize_model(trained_onnx, calibration, evaluator,
+                            QuantizeConfig(method="minmax", reference_metric=reference, progress=False),
+                            tmp_path / "held")
+    assert result.reference_metric == reference
+    assert result.budget_drop == pytest.approx(reference - result.int8_metric)
+    assert result.budget_drop <= 1.0  # so INT8 itself lost at most 0.1 points
+    if result.full_int8_metric < float_metric - 0.1:
+        assert result.fp16_layers  # the tighter budget forced layers out of INT8
+    with pytest.raises(QuantizationError, match="already further below the reference") as error:
+        quantize_model(trained_onnx, calibration, evaluator,
+                       QuantizeConfig(reference_metric=float_metric + 1.5, progress=False),
+                       tmp_path / "over")
+    assert "budget=1.0" in str(error.value)
+
+
+@pytest.mark.parametrize("field,value", [("method", "kl"), ("accuracy_budget", -1.0), ("percentile", 50.0),
+                                                 ("reference_metric", 120.0)])
 def test_invalid_config_names_the_field(field, value):
     with pytest.raises(ConfigError) as error:
         QuantizeConfig(**{field: value})

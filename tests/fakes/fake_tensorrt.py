@@ -1745,6 +1745,9 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
 
                 options = onnxruntime.SessionOptions()
                 options.log_severity_level = 3
+                # TensorRT accumulates INT8 products exactly; so must the stand-in (on x86-64
+                # without VNNI, ONNX Runtime's default INT8 kernels saturate: models/ort.py).
+                options.add_session_config_entry("session.x64quantprecision", "1")
                 self._session = onnxruntime.InferenceSession(
                     self._model, options, providers=["CPUExecutionProvider"]
                 )
