@@ -72,6 +72,11 @@ def test_build_example_makes_a_verified_bundle_and_report(tmp_path, keys, capsys
     for key in ("fp32_unpruned", "pruned_fp32", "int8_all_layers", "int8"):
         assert 0.0 <= report["accuracy"][key] <= 100.0
     assert report["model"]["pruned_params"] < report["model"]["params"]
+    # Pruning and INT8 share one budget, counted from the unpruned model.
+    assert report["accuracy"]["budget_from"] == "unpruned FP32 (PyTorch)"
+    assert report["accuracy"]["drop"] == pytest.approx(
+        report["accuracy"]["fp32_unpruned"] - report["accuracy"]["int8"], abs=2e-3)
+    assert report["accuracy"]["drop"] <= report["accuracy"]["budget"]
     assert report["export"]["node_counts_before"]["BatchNormalization"] == 4
     assert "BatchNormalization" not in report["export"]["node_counts_after"]
     assert report["pruning"]["layers"]

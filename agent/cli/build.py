@@ -47,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--calib-method", choices=("entropy", "percentile", "minmax"),
                        default="entropy")
     build.add_argument("--accuracy-budget", type=float, default=1.0, metavar="POINTS",
-                       help="largest top-1 (or agreement) drop allowed for INT8, in points")
+                       help="largest top-1 (or agreement) drop allowed, in points; after "
+                            "pruning it counts from the unpruned model")
     build.add_argument("--key", type=Path, help="Ed25519 private key (PEM) to sign with")
     build.add_argument("--out", type=Path, default=Path("out"), metavar="DIR")
     build.add_argument("--name", help="bundle name (default: from the model)")
