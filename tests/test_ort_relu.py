@@ -289,3 +289,32 @@ def test_int8_saturation_is_detected_from_the_cpu_flags(tmp_path: Path, machine:
     assert int8_may_saturate(cpuinfo, machine) is expected
     # Unreadable flags on x86-64: assume the worst; exact kernels are slower, never wrong.
     assert int8_may_saturate(tmp_path / "missing", "x86_64") is True
+
+
+def test_shared_zero_points_are_given_one_per_node() -> None:
+    # With exact INT8 kernels ONNX Runtime rewrites each weight's zero point in place and fails on
+    # a shared one; sessions therefore give every Q/DQ node its own copy first.
+    from models.ort import _unshare_zero_points
+
+    model = conv_relu_model()
+    shared = "in_z"
+    for node in model.graph.node:
+        if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            node.input[2] = shared
+    onnx.checker.check_model(model)
+    data = np.random.default_rng(6).normal(size=(2, 3, 8, 8)).astype(np.float32)
+
+    def emulated(model: onnx.ModelProto) -> np.ndarray:  # op by op: no kernel rewrites at all
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        return ort.InferenceSession(model.SerializeToString(), options,
+                                    providers=["CPUExecutionProvider"]).run(None, {"input": data})[0]
+
+    before = emulated(model)
+    q_nodes = [n for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    assert _unshare_zero_points(model) == len(q_nodes) - 1
+    assert len({node.input[2] for node in q_nodes}) == len(q_nodes)
+    onnx.checker.check_model(model)
+    np.testing.assert_array_equal(emulated(model), before)
+    np.testing.assert_allclose(run(model, data), before, rtol=0, atol=0.05)  # fused kernels run
+    assert _unshare_zero_points(model) == 0  # idempotent
