@@ -29,7 +29,13 @@ def test_bench_pipeline_writes_every_required_key(tmp_path, capsys):
     assert summary["top1_drop"] == pytest.approx(summary["fp32_top1"] - summary["pruned_int8_top1"])
     assert summary["pruned_macs_per_image"] < summary["macs_per_image"]
     assert set(summary["per_batch"]) == {"1", "8"}
-    assert "speedup_pruned_int8" in capsys.readouterr().out
+    assert summary["baseline_gmacs_s"] == pytest.approx(
+        summary["baseline_img_s"] * summary["macs_per_image"] / 1e9)
+    assert summary["speedup_int8_ceiling"] == pytest.approx(
+        summary["int8_matmul_gmacs_s"] / summary["baseline_gmacs_s"])
+    assert summary["int8_kernels"].startswith(("exact U8U8", "default"))
+    printed = capsys.readouterr().out
+    assert "speedup_pruned_int8" in printed and "INT8 can be at most" in printed
 
 
 def test_int8_reference_multiplies_integers_in_a_chain() -> None:
