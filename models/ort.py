@@ -135,7 +135,7 @@ def _unshare_zero_points(model: Any) -> int:
         if name in seen:
             copy = model.graph.initializer.add()
             copy.CopyFrom(initializers[name])
-            copy.name = f"{name}__{node.name or node.output[0]}"
+            copy.name = f"{name}__{node.output[0]}"  # output names are unique in a graph
             node.input[2] = copy.name
             copies += 1
         seen.add(name)

@@ -23,6 +23,7 @@ from agent.errors import ConfigError, PruningError
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
 from models.bundle import pack_bundle
 from models.calibration import DEFAULT_SAMPLES, CalibrationSet, from_array, from_directory
+from models.ort import int8_may_saturate
 from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, model_outputs, quantize_model
 
 log = logging.getLogger(__name__)
@@ -483,6 +484,9 @@ def _speed_report(float_bytes: bytes, int8_bytes: bytes, meta: dict[str, Any],
         "fp32_img_s": round(fp32, 2),
         "int8_img_s": round(int8, 2),
         "int8_speedup": round(int8 / fp32, 2),
+        # Without VNNI an x86 CPU runs INT8 through ONNX Runtime's slower exact kernels
+        # (models/ort.py), so the host's INT8 gain says little about a Jetson's.
+        "int8_kernels": "exact U8U8 (no VNNI on this CPU)" if int8_may_saturate() else "default",
         "note": "TensorRT speed is measured on the device; see `edge-agent bench`",
     }
 
@@ -564,10 +568,12 @@ def format_summary(result: BuildResult) -> str:
         after = sum(export["node_counts_after"].values())
         lines.append(f"graph    {before} nodes exported -> {after} after BN folding and clean-up")
     speed = report["speed"]
+    kernels = speed.get("int8_kernels", "default")
+    kernels_note = "" if kernels == "default" else f"; INT8 kernels: {kernels}"
     lines.append(
         f"speed    {speed['where']}, input {'x'.join(map(str, speed['input_shape']))}: "
         f"FP32 {speed['fp32_img_s']:.1f} img/s, INT8 {speed['int8_img_s']:.1f} img/s "
-        f"({speed['int8_speedup']:.2f}x)"
+        f"({speed['int8_speedup']:.2f}x{kernels_note})"
     )
     timings = report["timings_s"]
     lines.append("time     " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in timings.items()))

@@ -81,6 +81,7 @@ def test_build_example_makes_a_verified_bundle_and_report(tmp_path, keys, capsys
     assert "BatchNormalization" not in report["export"]["node_counts_after"]
     assert report["pruning"]["layers"]
     assert report["speed"]["int8_img_s"] > 0
+    assert report["speed"]["int8_kernels"] in ("default", "exact U8U8 (no VNNI on this CPU)")
     assert json.loads(bundle.read_member("report.json")) == report
 
     # The model in the bundle really is the INT8 model: it runs and classifies the held-out digits.
