@@ -116,6 +116,9 @@ def int8_matmul(size: int, threads: int, depth: int = 8) -> tuple[Callable[[], A
         initializers,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    # make_model stamps the installed onnx's newest IR version, which an older ONNX Runtime
+    # refuses (onnx 1.23 writes IR 14, ONNX Runtime 1.30 reads up to 13); opset 17 needs IR 8.
+    model.ir_version = 8
     onnx.checker.check_model(model)
     session = create_session(model.SerializeToString(), threads=threads)
     a = rng.standard_normal((1, size, *spatial)).astype(np.float32)
