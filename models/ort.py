@@ -59,14 +59,15 @@ def create_session(
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
     options.enable_profiling = profile
-    if int8_may_saturate():
+    exact_int8 = int8_may_saturate()
+    if exact_int8:
         options.add_session_config_entry("session.x64quantprecision", "1")
     if not spin:
         # Idle intra-op threads busy-wait for the next op by default. Alone on a machine that is
         # fastest, but beside a server's event loop on few cores the spinning steals the CPU the
         # loop needs (2 cores, ResNet-18 INT8 over HTTP at concurrency 64: 228 -> 325 req/s).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    source = _fold_relus(model) if fold_relu else model
+    source = _rewrite_for_ort(model, fold_relu=fold_relu, unshare=exact_int8)
     source = str(source) if isinstance(source, Path) else source
     return ort.InferenceSession(
         source,
@@ -92,9 +93,13 @@ def int8_may_saturate(cpuinfo: Path = Path("/proc/cpuinfo"), machine: str | None
     return not {"avx512_vnni", "avx_vnni"} & set(flags)
 
 
-def _fold_relus(model: bytes | Path | str) -> bytes | Path | str:
-    """The model with ReLUs folded into INT8 quantization, or unchanged when nothing applies (or
-    ``onnx`` is not installed: the device extra does not need it)."""
+def _rewrite_for_ort(model: bytes | Path | str, *, fold_relu: bool = True,
+                     unshare: bool = False) -> bytes | Path | str:
+    """The model with ReLUs folded into INT8 quantization (``fold_relu``) and weights' shared zero
+    points copied (``unshare``, needed by the exact kernels), or unchanged when nothing applies
+    (or ``onnx`` is not installed: the device extra does not need it)."""
+    if not fold_relu and not unshare:
+        return model
     try:
         import onnx
     except ImportError:
@@ -107,8 +112,8 @@ def _fold_relus(model: bytes | Path | str) -> bytes | Path | str:
         return model
     if not any(node.op_type == "QuantizeLinear" for node in proto.graph.node):
         return model
-    folded = fold_relu_into_quantize(proto)
-    unshared = _unshare_zero_points(proto)
+    folded = fold_relu_into_quantize(proto) if fold_relu else 0
+    unshared = _unshare_zero_points(proto) if unshare else 0
     if not folded and not unshared:
         return model
     log.debug("folded %d ReLU(s) into INT8 quantization for ONNX Runtime", folded)
@@ -116,27 +121,41 @@ def _fold_relus(model: bytes | Path | str) -> bytes | Path | str:
 
 
 def _unshare_zero_points(model: Any) -> int:
-    """Give every Q/DQ node its own zero-point initializer; returns how many copies were made.
+    """Give every weight's Q/DQ pair a zero-point initializer of its own; returns how many weights
+    got a copy.
 
     With exact INT8 arithmetic on a CPU without VNNI, ONNX Runtime converts each convolution's INT8
     weights and their zero point to UINT8, and fails the session ("Attempt to replace the existing
     tensor") when two weights share one zero-point initializer. Quantizers give each weight its
-    own, but hand-made or merged graphs often share a single zero.
+    own, but hand-made or merged graphs often share a single zero. Activations are left alone.
     """
     initializers = {tensor.name: tensor for tensor in model.graph.initializer}
-    seen: set[str] = set()
-    copies = 0
+    producer = {output: node for node in model.graph.node for output in node.output}
+
+    def weight_of(node: Any) -> str | None:
+        """The weight initializer a Q/DQ node quantizes (directly or through its Q), else None."""
+        if node.input[0] in initializers:
+            return node.input[0]
+        source = producer.get(node.input[0])
+        if (node.op_type == "DequantizeLinear" and source is not None
+                and source.op_type == "QuantizeLinear" and source.input[0] in initializers):
+            return source.input[0]
+        return None
+
+    owner: dict[str, str] = {}  # zero-point initializer -> the weight that keeps it
+    copies: dict[tuple[str, str], str] = {}
     for node in model.graph.node:
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 3:
             continue
-        name = node.input[2]
-        if name not in initializers:
+        zero_point, weight = node.input[2], weight_of(node)
+        if zero_point not in initializers or weight is None:
             continue
-        if name in seen:
+        if owner.setdefault(zero_point, weight) == weight:
+            continue
+        if (zero_point, weight) not in copies:
             copy = model.graph.initializer.add()
-            copy.CopyFrom(initializers[name])
-            copy.name = f"{name}__{node.output[0]}"  # output names are unique in a graph
-            node.input[2] = copy.name
-            copies += 1
-        seen.add(name)
-    return copies
+            copy.CopyFrom(initializers[zero_point])
+            copy.name = f"{zero_point}__{weight}"
+            copies[(zero_point, weight)] = copy.name
+        node.input[2] = copies[(zero_point, weight)]
+    return len(copies)

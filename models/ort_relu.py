@@ -105,6 +105,7 @@ def fold_relu_into_quantize(model: Any) -> int:
     _remove_nodes(graph, removed)
     if folded:
         _carry_through_max_pools(graph)
+        _drop_unused_initializers(graph)
     return folded
 
 
@@ -176,3 +177,27 @@ def _remove_nodes(graph: Any, node_ids: set[int]) -> None:
         kept = [node for node in graph.node if id(node) not in node_ids]
         del graph.node[:]
         graph.node.extend(kept)
+
+
+def _drop_unused_initializers(graph: Any) -> None:
+    """Drop the scales and zero points that only the removed Q/DQ nodes read (ONNX Runtime would
+    warn about each one when it loads the model)."""
+    used = _names_read(graph) | {output.name for output in graph.output}
+    kept = [tensor for tensor in graph.initializer if tensor.name in used]
+    if len(kept) != len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+
+
+def _names_read(graph: Any) -> set[str]:
+    """Every tensor name the graph's nodes read, subgraphs (If, Loop, Scan bodies) included: a
+    body may read an initializer of the graph around it."""
+    names: set[str] = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                names |= _names_read(attribute.g)
+            for subgraph in attribute.graphs:
+                names |= _names_read(subgraph)
+    return names

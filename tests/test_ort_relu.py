@@ -89,6 +89,11 @@ def test_a_conv_relu_chain_is_folded_and_computes_the_same() -> None:
     assert zero_point.dtype == np.uint8 and int(zero_point) == 0
     np.testing.assert_allclose(inits[nodes["post_Q"].input[1]], 0.04 * 127 / 255, rtol=1e-6)
     assert nodes["post_DQ"].input[1:3] == nodes["post_Q"].input[1:3]
+    # The removed pair's scale and zero point go with it; every other initializer stays.
+    read = {name for node in folded.graph.node for name in node.input}
+    assert {"pre_s", "pre_z"}.isdisjoint(inits) and set(inits) <= read
+    assert {tensor.name for tensor in model.graph.initializer} - {"pre_s", "pre_z", "post_s",
+                                                                  "post_z"} <= set(inits)
     after = run(folded, data)
     # The post-ReLU step halves and one rounding goes: the results stay within a few steps of
     # the output quantization of the original graph.
@@ -291,9 +296,9 @@ def test_int8_saturation_is_detected_from_the_cpu_flags(tmp_path: Path, machine:
     assert int8_may_saturate(tmp_path / "missing", "x86_64") is True
 
 
-def test_shared_zero_points_are_given_one_per_node() -> None:
+def test_a_zero_point_shared_by_weights_is_given_one_per_weight() -> None:
     # With exact INT8 kernels ONNX Runtime rewrites each weight's zero point in place and fails on
-    # a shared one; sessions therefore give every Q/DQ node its own copy first.
+    # one shared by two weights; sessions therefore give every weight its own copy first.
     from models.ort import _unshare_zero_points
 
     model = conv_relu_model()
@@ -311,9 +316,12 @@ def test_shared_zero_points_are_given_one_per_node() -> None:
                                     providers=["CPUExecutionProvider"]).run(None, {"input": data})[0]
 
     before = emulated(model)
-    q_nodes = [n for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
-    assert _unshare_zero_points(model) == len(q_nodes) - 1
-    assert len({node.input[2] for node in q_nodes}) == len(q_nodes)
+    assert _unshare_zero_points(model) == 1  # w0 keeps the original, w1 gets a copy
+    zero_points = {node.name: node.input[2] for node in model.graph.node
+                   if node.op_type in ("QuantizeLinear", "DequantizeLinear")}
+    assert zero_points["w0_Q"] == zero_points["w0_DQ"] == shared
+    assert zero_points["w1_Q"] == zero_points["w1_DQ"] != shared
+    assert {zero_points[name] for name in ("in_Q", "in_DQ", "pre_Q", "post_DQ")} == {shared}
     onnx.checker.check_model(model)
     np.testing.assert_array_equal(emulated(model), before)
     np.testing.assert_allclose(run(model, data), before, rtol=0, atol=0.05)  # fused kernels run
