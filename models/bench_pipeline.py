@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from agent.fsutil import atomic_write_text
-from models.ort import int8_may_saturate
+from models.ort import int8_kernels
 from models.timing import keep_large_allocations, time_call
 
 log = logging.getLogger(__name__)
@@ -316,8 +316,7 @@ def _summarise(results: dict[str, Any], variants: dict[str, Any], matmul: dict[s
         # The INT8 speedup a model at the matmul's rate would get: what this CPU allows at all.
         "speedup_int8_ceiling": (matmul["macs_per_s"]
                                  / (baseline * variants["fp32"]["macs_per_image"])),
-        "int8_kernels": ("exact U8U8 (x86-64 without VNNI: the default kernels saturate)"
-                         if int8_may_saturate() else "default (exact on this CPU)"),
+        "int8_kernels": int8_kernels(),
         "int8_gmacs_s": batch8["int8"]["macs_per_s"] / 1e9,
         "pruned_int8_gmacs_s": batch8["pruned_int8"]["macs_per_s"] / 1e9,
         # Median over rounds of (model MACs/s) / (matmul MACs/s), each pair measured together.

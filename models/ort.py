@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.deps import require
+from models.onnx_model import graph_links
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ def int8_may_saturate(cpuinfo: Path = Path("/proc/cpuinfo"), machine: str | None
     return not {"avx512_vnni", "avx_vnni"} & set(flags)
 
 
+def int8_kernels() -> str:
+    """How ONNX Runtime runs INT8 on this CPU, for reports and logs."""
+    return "exact U8U8 (no VNNI on this CPU)" if int8_may_saturate() else "default"
+
+
 def _rewrite_for_ort(model: bytes | Path | str, *, fold_relu: bool = True,
                      unshare: bool = False) -> bytes | Path | str:
     """The model with ReLUs folded into INT8 quantization (``fold_relu``) and weights' shared zero
@@ -130,7 +136,7 @@ def _unshare_zero_points(model: Any) -> int:
     own, but hand-made or merged graphs often share a single zero. Activations are left alone.
     """
     initializers = {tensor.name: tensor for tensor in model.graph.initializer}
-    producer = {output: node for node in model.graph.node for output in node.output}
+    producer, _ = graph_links(model.graph)
 
     def weight_of(node: Any) -> str | None:
         """The weight initializer a Q/DQ node quantizes (directly or through its Q), else None."""

@@ -23,7 +23,7 @@ from agent.errors import ConfigError, PruningError
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
 from models.bundle import pack_bundle
 from models.calibration import DEFAULT_SAMPLES, CalibrationSet, from_array, from_directory
-from models.ort import int8_may_saturate
+from models.ort import int8_kernels
 from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, model_outputs, quantize_model
 
 log = logging.getLogger(__name__)
@@ -486,7 +486,7 @@ def _speed_report(float_bytes: bytes, int8_bytes: bytes, meta: dict[str, Any],
         "int8_speedup": round(int8 / fp32, 2),
         # Without VNNI an x86 CPU runs INT8 through ONNX Runtime's slower exact kernels
         # (models/ort.py), so the host's INT8 gain says little about a Jetson's.
-        "int8_kernels": "exact U8U8 (no VNNI on this CPU)" if int8_may_saturate() else "default",
+        "int8_kernels": int8_kernels(),
         "note": "TensorRT speed is measured on the device; see `edge-agent bench`",
     }
 

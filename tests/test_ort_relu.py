@@ -27,6 +27,28 @@ def qdq(name: str, source: str, scale: float, nodes: list, inits: list) -> str:
     return f"{name}_dq"
 
 
+def qdq_conv(index: int, source: str, rng: np.random.Generator, nodes: list, inits: list, *,
+             bias: bool) -> str:
+    """Append ``conv{index}``: 8 output channels, 3x3, its weight behind a per-tensor Q/DQ pair."""
+    weight = rng.normal(0, 0.3, (8, 3 if index == 0 else 8, 3, 3)).astype(np.float32)
+    inits.append(numpy_helper.from_array(weight, f"w{index}"))
+    inputs = [source, qdq(f"w{index}", f"w{index}", float(np.abs(weight).max() / 127), nodes, inits)]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.normal(0, 0.1, 8).astype(np.float32), f"b{index}"))
+        inputs.append(f"b{index}")
+    nodes.append(helper.make_node("Conv", inputs, [f"conv{index}"], pads=[1] * 4,
+                                  name=f"conv{index}"))
+    return f"conv{index}"
+
+
+def qdq_relu(source: str, nodes: list, inits: list) -> str:
+    """Append QDQ(0.05) -> Relu ``relu0`` -> QDQ(0.04) on ``source``; returns the dequantized
+    output."""
+    pre = qdq("pre", source, 0.05, nodes, inits)
+    nodes.append(helper.make_node("Relu", [pre], ["relu0"], name="relu0"))
+    return qdq("post", "relu0", 0.04, nodes, inits)
+
+
 def conv_relu_model(*, residual: bool = False) -> onnx.ModelProto:
     """input -> QDQ -> Conv -> QDQ -> Relu -> QDQ -> Conv (-> Add with the Relu branch)."""
     rng = np.random.default_rng(0)
@@ -34,16 +56,9 @@ def conv_relu_model(*, residual: bool = False) -> onnx.ModelProto:
     inits: list = []
     x = qdq("in", "input", 0.03, nodes, inits)
     for index in (0, 1):
-        weight = rng.normal(0, 0.3, (8, 3 if index == 0 else 8, 3, 3)).astype(np.float32)
-        inits.append(numpy_helper.from_array(weight, f"w{index}"))
-        w = qdq(f"w{index}", f"w{index}", float(np.abs(weight).max() / 127), nodes, inits)
-        inits.append(numpy_helper.from_array(rng.normal(0, 0.1, 8).astype(np.float32), f"b{index}"))
-        nodes.append(helper.make_node("Conv", [x, w, f"b{index}"], [f"conv{index}"], pads=[1] * 4,
-                                      name=f"conv{index}"))
+        conv = qdq_conv(index, x, rng, nodes, inits, bias=True)
         if index == 0:
-            pre = qdq("pre", "conv0", 0.05, nodes, inits)
-            nodes.append(helper.make_node("Relu", [pre], ["relu0"], name="relu0"))
-            x = qdq("post", "relu0", 0.04, nodes, inits)
+            x = qdq_relu(conv, nodes, inits)
             if residual:
                 skip = qdq("skip", "relu0", 0.04, nodes, inits)
     output = "conv1"
@@ -154,15 +169,9 @@ def pool_model(*, pool_scale: float = 0.04) -> onnx.ModelProto:
     inits: list = []
     x = qdq("in", "input", 0.03, nodes, inits)
     for index in (0, 1):
-        weight = rng.normal(0, 0.3, (8, 3 if index == 0 else 8, 3, 3)).astype(np.float32)
-        inits.append(numpy_helper.from_array(weight, f"w{index}"))
-        w = qdq(f"w{index}", f"w{index}", float(np.abs(weight).max() / 127), nodes, inits)
-        nodes.append(helper.make_node("Conv", [x, w], [f"conv{index}"], pads=[1] * 4,
-                                      name=f"conv{index}"))
+        conv = qdq_conv(index, x, rng, nodes, inits, bias=False)
         if index == 0:
-            pre = qdq("pre", "conv0", 0.05, nodes, inits)
-            nodes.append(helper.make_node("Relu", [pre], ["relu0"], name="relu0"))
-            relu = qdq("post", "relu0", 0.04, nodes, inits)
+            relu = qdq_relu(conv, nodes, inits)
             nodes.append(helper.make_node("MaxPool", [relu], ["pool"], kernel_shape=[3, 3],
                                           strides=[2, 2], pads=[1] * 4, name="pool"))
             x = qdq("pool_a", "pool", pool_scale, nodes, inits)

@@ -114,7 +114,7 @@ class OnnxRuntimeBackend(Backend):
         if self._active:
             return
         ort = require("onnxruntime", extra="device", purpose="the ONNX Runtime backend")
-        from models.ort import create_session, int8_may_saturate
+        from models.ort import create_session, int8_kernels
 
         path = self.artifacts.onnx_path
         if not path.is_file():
@@ -135,9 +135,9 @@ class OnnxRuntimeBackend(Backend):
         self._bindings = [session.io_binding() for _ in range(self.options.buffer_sets)]
         self._buffers = [_BufferSet() for _ in range(self.options.buffer_sets)]
         self._active = True
-        log.info("onnxruntime backend active: %s v%d on %s, %d thread(s)%s", self.artifacts.name,
-                 self.artifacts.version, ",".join(self._providers), self.options.threads,
-                 "; exact (slower) INT8 kernels: this CPU has no VNNI" if int8_may_saturate() else "")
+        log.info("onnxruntime backend active: %s v%d on %s, %d thread(s), INT8 kernels: %s",
+                 self.artifacts.name, self.artifacts.version, ",".join(self._providers),
+                 self.options.threads, int8_kernels())
 
     def deactivate(self) -> None:
         self._active = False
