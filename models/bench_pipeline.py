@@ -40,7 +40,7 @@ MODEL = "resnet18-digits"
 @dataclass(frozen=True)
 class PipelineBenchConfig:
     prune_ratio: float = 0.75
-    finetune_epochs: int = 4
+    finetune_epochs: int = 12
     threads: int = 2
     size: int = 224
     batches: tuple[int, ...] = (1, 8)

@@ -50,7 +50,10 @@ class BuildOptions:
     prune_scope: str = "uniform"
     round_to: int = 32
     prune_steps: int = 1
-    finetune_epochs: int = 4
+    # Epochs of fine-tuning after each pruning step. Pruning the example ResNet-18 at 0.75 and
+    # fine-tuning with five seeds: 4 epochs gave 97.8-98.9 top-1 on the held-out split (from 98.9
+    # unpruned; one seed missed the 1-point budget), 12 gave 98.9-99.4, at about 4 s more.
+    finetune_epochs: int = 12
     calib_samples: int = DEFAULT_SAMPLES
     calib_method: str = "entropy"
     accuracy_budget: float = 1.0

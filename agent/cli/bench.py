@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     pipeline.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
     pipeline.add_argument("--prune", type=float, default=0.75, metavar="RATIO")
-    pipeline.add_argument("--finetune-epochs", type=int, default=4)
+    pipeline.add_argument("--finetune-epochs", type=int, default=12)
     pipeline.add_argument("--threads", type=int, default=2)
     pipeline.add_argument("--size", type=int, default=224)
     pipeline.add_argument("--min-time", type=float, default=3.0, metavar="SECONDS",

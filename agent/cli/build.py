@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--round-to", type=int, default=32,
                        help="pruned widths are multiples of this (32 suits INT8, 8 suits FP16)")
     build.add_argument("--prune-steps", type=int, default=1, help="iterative pruning steps")
-    build.add_argument("--finetune-epochs", type=int, default=4)
+    build.add_argument("--finetune-epochs", type=int, default=12)
     build.add_argument("--calib-samples", type=int, default=512)
     build.add_argument("--calib-method", choices=("entropy", "percentile", "minmax"),
                        default="entropy")
