@@ -37,6 +37,7 @@ import numpy as np
 
 from agent.backends.base import Backend
 from agent.errors import AgentError, ConfigError, InputError
+from agent.scattered import ScatteredArray, copy_rows
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class BatchObserver(Protocol):
 
 @dataclass(eq=False)
 class _Request:
-    inputs: Mapping[str, np.ndarray]
+    inputs: Mapping[str, np.ndarray | ScatteredArray]
     batch_size: int
     shape_key: tuple[tuple[str, tuple[int, ...]], ...]
     priority: int
@@ -242,9 +243,11 @@ class Batcher:
 
     # -- submission ---------------------------------------------------------------------
 
-    def submit(self, inputs: Mapping[str, np.ndarray], *, priority: int | None = None,
+    def submit(self, inputs: Mapping[str, np.ndarray | ScatteredArray], *,
+               priority: int | None = None,
                timeout_us: int | None = None) -> asyncio.Future[InferenceResult]:
-        """Queue one request (arrays with the batch axis first, already of the model's dtypes).
+        """Queue one request (arrays with the batch axis first, already of the model's dtypes;
+        a :class:`~agent.scattered.ScatteredArray` is copied into the batch piece by piece).
 
         Raises:
             NotServing: the batcher is not running.
@@ -510,7 +513,7 @@ def _stage(backend: Backend, batch: list[_Request]) -> Any:
             row = 0
             for request in batch:
                 rows = request.batch_size
-                np.copyto(target[row:row + rows], request.inputs[name], casting="same_kind")
+                copy_rows(target[row:row + rows], request.inputs[name])
                 row += rows
     except BaseException:
         staged.release()

@@ -132,6 +132,29 @@ def test_infer_matches_the_onnx_model(client: Any, model_path: Path, binary_in: 
     assert response["model_version"] == "1"
 
 
+def test_large_binary_inputs_go_from_received_pieces_into_the_batch(
+        client: Any, model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 480 KB frame reaches the server in several pieces; they are copied into the batch as
+    received (ScatteredArray.copy_into), not joined first, and the answer is still exact."""
+    from agent.scattered import ScatteredArray
+
+    copied: list[int] = []
+    original = ScatteredArray.copy_into
+
+    def counting(self: ScatteredArray, target: np.ndarray) -> None:
+        copied.append(len(self.pieces))
+        original(self, target)
+
+    monkeypatch.setattr(ScatteredArray, "copy_into", counting)
+    data = frames(1, size=200, seed=4)
+    tensor = http.InferInput("input", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data, binary_data=True)
+    result = client.infer("tiny", [tensor])
+    np.testing.assert_allclose(result.as_numpy("logits"), reference_logits(model_path, data),
+                               rtol=1e-4, atol=1e-5)
+    assert copied and copied[0] > 1
+
+
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_compressed_requests_and_responses(client: Any, model_path: Path, algorithm: str) -> None:
     data = frames(2, seed=6)

@@ -17,6 +17,7 @@ import numpy as np
 
 from agent.backends.base import TensorInfo, datatype_of
 from agent.errors import InputError
+from agent.scattered import Body, ScatteredArray
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -50,7 +51,7 @@ class InferRequest:
     return."""
 
     id: str | None
-    inputs: dict[str, np.ndarray]
+    inputs: dict[str, np.ndarray | ScatteredArray]
     outputs: list[OutputRequest]
     binary_output: bool
     priority: int | None = None
@@ -86,10 +87,14 @@ def _parameters(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
     return parameters
 
 
-def decode_request(body: bytes | memoryview, header_length: str | None,
+def decode_request(body: bytes | memoryview | Body, header_length: str | None,
                    model_inputs: Sequence[TensorInfo], model_outputs: Sequence[TensorInfo],
                    shm: SharedMemory | None) -> InferRequest:
-    """Decode and validate one ``/infer`` body against the model's inputs and outputs."""
+    """Decode and validate one ``/infer`` body against the model's inputs and outputs. The body
+    may be a :class:`~agent.scattered.Body` of received pieces: binary inputs then stay views of
+    them (a :class:`~agent.scattered.ScatteredArray` where one spans pieces), never joined."""
+    if not isinstance(body, Body):
+        body = Body([body])
     if header_length is not None:
         try:
             json_length = int(header_length)
@@ -98,10 +103,9 @@ def decode_request(body: bytes | memoryview, header_length: str | None,
         if not 0 < json_length <= len(body):
             raise RequestError(f"{HEADER_LENGTH} does not fit the body", found=json_length,
                                body_bytes=len(body))
-        view = memoryview(body)
-        header, binary = bytes(view[:json_length]), view[json_length:]
+        header, binary = body.bytes(0, json_length), body.tail(json_length)
     else:
-        header, binary = bytes(body), memoryview(b"")
+        header, binary = body.bytes(), Body([])
     document = _json_object(header)
     request_parameters = _parameters(document, "request")
     entries = document.get("inputs")
@@ -109,7 +113,7 @@ def decode_request(body: bytes | memoryview, header_length: str | None,
         raise RequestError("request needs a non-empty 'inputs' list")
 
     by_name = {info.name: info for info in model_inputs}
-    inputs: dict[str, np.ndarray] = {}
+    inputs: dict[str, np.ndarray | ScatteredArray] = {}
     cursor = 0
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict):
@@ -149,8 +153,8 @@ def decode_request(body: bytes | memoryview, header_length: str | None,
     )
 
 
-def _decode_input(entry: Mapping[str, Any], info: TensorInfo, binary: memoryview, cursor: int,
-                  shm: SharedMemory | None) -> tuple[np.ndarray, int]:
+def _decode_input(entry: Mapping[str, Any], info: TensorInfo, binary: Body, cursor: int,
+                  shm: SharedMemory | None) -> tuple[np.ndarray | ScatteredArray, int]:
     """One input's array and how many binary bytes it used."""
     name = info.name
     datatype = entry.get("datatype")
@@ -199,9 +203,7 @@ def _decode_input(entry: Mapping[str, Any], info: TensorInfo, binary: memoryview
         if cursor + binary_size > len(binary):
             raise RequestError("binary data is shorter than binary_data_size says", input=name,
                                needed=cursor + binary_size, received=len(binary))
-        chunk = binary[cursor:cursor + binary_size]
-        return np.frombuffer(chunk, dtype=dtype.newbyteorder("<"), count=count).reshape(shape), \
-            binary_size
+        return binary.array(cursor, dtype.newbyteorder("<"), shape), binary_size
 
     if not has_data:
         raise RequestError("input has no data, binary_data_size or shared memory region",

@@ -28,6 +28,7 @@ from agent.api.shm import SystemSharedMemory
 from agent.batcher import DeadlineExceeded, NotServing, QueueFull
 from agent.errors import AgentError, InputError
 from agent.metrics import CONTENT_TYPE_LATEST
+from agent.scattered import Body
 from agent.serving import ModelService
 
 log = logging.getLogger(__name__)
@@ -258,11 +259,11 @@ class InferenceServer:
         metrics.observe_request(time.perf_counter() - started)
         return web.Response(body=payload, headers=headers)
 
-    async def _read_body(self, request: web.Request) -> bytes | memoryview:
-        """The request body in one piece. With a Content-Length, each chunk the parser hands over
-        is copied once, straight into a buffer of the announced size (``request.read()`` and
-        ``readexactly()`` join chunks once or twice more); chunked and compressed bodies go
-        through aiohttp's reader, which enforces the size limit itself."""
+    async def _read_body(self, request: web.Request) -> bytes | Body:
+        """The request body. With a Content-Length, the pieces the parser hands over are kept as
+        they are (:mod:`agent.scattered`: joining them would copy the whole body once more on
+        the event loop); chunked and compressed bodies go through aiohttp's reader, which
+        enforces the size limit itself."""
         length = request.content_length
         if length is None or request.headers.get("Content-Encoding", "identity") != "identity":
             # Chunked or compressed (tritonclient's request_compression_algorithm): aiohttp
@@ -271,20 +272,19 @@ class InferenceServer:
         if length > self._max_body_bytes:
             raise RequestError("request body too large", status=413, limit=self._max_body_bytes,
                                found=length)
-        body = np.empty(length, dtype=np.uint8).data  # a memoryview; no zero-filling
+        pieces: list[bytes] = []
         received = 0
         content = request.content
         while received < length:
-            chunk, _ = await content.readchunk()  # one received chunk, never a join of several
+            chunk, _ = await content.readchunk()  # one received piece, never a join of several
             if not chunk:
                 raise RequestError("request body ended early", expected=length, found=received)
-            end = received + len(chunk)
-            if end > length:
+            received += len(chunk)
+            if received > length:
                 raise RequestError("request body longer than its Content-Length",
                                    expected=length)
-            body[received:end] = chunk
-            received = end
-        return body
+            pieces.append(chunk)
+        return Body(pieces)
 
     # -- system shared memory -----------------------------------------------------------
 
