@@ -260,10 +260,11 @@ class InferenceServer:
         return web.Response(body=payload, headers=headers)
 
     async def _read_body(self, request: web.Request) -> bytes | Body:
-        """The request body. With a Content-Length, the pieces the parser hands over are kept as
-        they are (:mod:`agent.scattered`: joining them would copy the whole body once more on
-        the event loop); chunked and compressed bodies go through aiohttp's reader, which
-        enforces the size limit itself."""
+        """The request body. With a Content-Length, the pieces the parser hands over (bytes
+        objects made for this request, so nothing else writes to them) are kept by reference
+        (:mod:`agent.scattered`: joining them would copy the whole body once more on the event
+        loop); chunked and compressed bodies go through aiohttp's reader, which enforces the
+        size limit itself."""
         length = request.content_length
         if length is None or request.headers.get("Content-Encoding", "identity") != "identity":
             # Chunked or compressed (tritonclient's request_compression_algorithm): aiohttp
