@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from agent.errors import ConfigError
 from agent.fsutil import atomic_write_text
 from models.ort import int8_kernels
 from models.timing import keep_large_allocations, time_call
@@ -51,6 +52,23 @@ class PipelineBenchConfig:
     matmul_depth: int = 8
     calib_samples: int = 512
     accuracy_budget: float = 1.0
+
+    def __post_init__(self) -> None:
+        """Refuse bad settings before minutes of pruning and calibration are spent."""
+        if not 0.0 <= self.prune_ratio < 1.0:
+            raise ConfigError("prune ratio must be in [0, 1)", key="--prune",
+                              found=self.prune_ratio)
+        for key, value, minimum in (("--finetune-epochs", self.finetune_epochs, 0),
+                                    ("--threads", self.threads, 1),
+                                    ("--size", self.size, 32),
+                                    ("--rounds", self.rounds, 1)):
+            if value < minimum:
+                raise ConfigError(f"{key} must be at least {minimum}", key=key, found=value)
+        if not self.min_time_s > 0:
+            raise ConfigError("--min-time must be positive", key="--min-time",
+                              found=self.min_time_s)
+        if not self.batches or min(self.batches) < 1:
+            raise ConfigError("batch sizes must be positive", found=list(self.batches))
 
 
 def cpu_steal_fraction(before: list[int] | None = None) -> tuple[list[int], float]:

@@ -112,23 +112,32 @@ def _slug(text: str) -> str:
     return slug or "model"
 
 
-def _signing_key(options: BuildOptions) -> tuple[Any, str]:
-    """The private key to sign with; a new pair in the output directory when none is given."""
+def _signing_key(options: BuildOptions) -> tuple[Any, str, Path | None]:
+    """The private key to sign with, its key id, and where a newly generated pair is to be
+    written once the build has succeeded (None when the key came from a file): without --key,
+    the output directory's ``signing.key`` is used, or a new pair is made for it, so that a build
+    that fails leaves no key behind either."""
     from models import signing
 
     if options.key is not None:
         key = signing.load_private_key(options.key)
-        return key, signing.compute_key_id(key.public_key())
+        return key, signing.compute_key_id(key.public_key()), None
     default = options.out_dir / "signing.key"
-    if not default.exists():
-        signing.write_keypair(default)
-        log.warning(
-            "no --key given: generated a signing key at %s; devices must trust %s.pub",
-            default,
-            default,
-        )
-    key = signing.load_private_key(default)
-    return key, signing.compute_key_id(key.public_key())
+    if default.exists():
+        key = signing.load_private_key(default)
+        return key, signing.compute_key_id(key.public_key()), None
+    key = signing.generate_private_key()
+    log.warning("no --key given: signing with a new key, written to %s when the build succeeds; "
+                "devices must trust %s", default, signing.public_key_path(default))
+    return key, signing.compute_key_id(key.public_key()), default
+
+
+def _write_new_key(key: Any, path: Path) -> None:
+    from models import signing
+
+    signing.write_private_key(path, key)
+    signing.write_public_key(signing.public_key_path(path), key.public_key())
+    log.info("wrote the new signing key pair %s and %s", path, signing.public_key_path(path))
 
 
 def _speed(model_bytes: bytes, input_name: str, shape: tuple[int, ...], threads: int) -> float:
@@ -198,7 +207,7 @@ def build(options: BuildOptions) -> BuildResult:
     stages = _Stages()
     started = time.perf_counter()
     report: dict[str, Any] = {"agent_version": __version__}
-    key, key_id = _signing_key(options)
+    key, key_id, new_key_path = _signing_key(options)
 
     with staging_dir(options.out_dir, prefix=".build-") as work:
         if options.onnx is not None:
@@ -252,6 +261,8 @@ def build(options: BuildOptions) -> BuildResult:
         (work / "report.json").write_text(report_text)
         files["report.json"] = work / "report.json"
 
+        if new_key_path is not None:
+            _write_new_key(key, new_key_path)
         final_manifest = pack_bundle(bundle_path, manifest, files, key)
         report_path = options.out_dir / "report.json"
         atomic_write_text(report_path, report_text)

@@ -38,6 +38,25 @@ def test_bench_pipeline_writes_every_required_key(tmp_path, capsys):
     assert "speedup_pruned_int8" in printed and "INT8 can be at most" in printed
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--prune", "1.5"], "prune ratio must be in [0, 1)"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--size", "16"], "--size must be at least 32"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--min-time", "0"], "--min-time must be positive"),
+])
+def test_bad_settings_are_refused_before_any_work(args, message, capsys, monkeypatch):
+    import models.checkpoints
+
+    def no_training(*_args, **_kwargs):
+        raise AssertionError("the checkpoint was loaded before the settings were checked")
+
+    monkeypatch.setattr(models.checkpoints, "load_example", no_training)
+    assert main(["bench", "pipeline", *args]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("edge-agent: error:") and message in err[-1]
+
+
 def test_int8_reference_multiplies_integers_in_a_chain() -> None:
     """The roofline's reference: ``depth`` chained INT8 matrix multiplies in ONNX Runtime, with
     the result of the chain equal to the float chain up to the quantization."""

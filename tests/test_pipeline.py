@@ -116,6 +116,14 @@ def test_build_without_a_key_generates_one_beside_the_bundle(tmp_path):
     open_bundle(out / f"{MODEL}-1.bundle", [load_public_key(out / "signing.key.pub")])
 
 
+def test_a_failed_build_without_a_key_leaves_no_key_behind(tmp_path, capsys):
+    out = tmp_path / "out"
+    err = _fails(["build", "--onnx", str(tmp_path / "missing.onnx"), "--calib-dir", str(tmp_path),
+                  "--out", str(out)], capsys)
+    assert "ONNX model not found" in err
+    assert _outputs(out) == set()
+
+
 def _fails(args: list[str], capsys) -> str:
     status = main(args)
     err_lines = capsys.readouterr().err.strip().splitlines()
