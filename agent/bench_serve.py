@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import socket
 import statistics
@@ -189,6 +190,12 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
         artifacts = Daemon(config).install(options.bundle)
         manifest = dict(artifacts.manifest)
         sample_shape = _sample_shape(manifest, options.input_size)
+        frame_bytes = 4 * math.prod(sample_shape)  # one FP32 frame per request
+        if frame_bytes > config.http.max_body_bytes:
+            raise ConfigError("one frame of this input size is larger than the daemon accepts "
+                              "(http.max_body_bytes)", key="--input-size",
+                              found=options.input_size, frame_bytes=frame_bytes,
+                              limit=config.http.max_body_bytes)
         print(f"model {artifacts.name} v{artifacts.version}, frames "
               f"1x{'x'.join(map(str, sample_shape))}", flush=True)
         rng = np.random.default_rng(1)

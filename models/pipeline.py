@@ -87,6 +87,16 @@ class BuildOptions:
                               found=self.name)
         if self.calib_samples < 1:
             raise ConfigError("calibration sample count must be >= 1", found=self.calib_samples)
+        for key, value, minimum in (("--threads", self.threads, 1),
+                                    ("--finetune-epochs", self.finetune_epochs, 0),
+                                    ("--prune-steps", self.prune_steps, 1),
+                                    ("--round-to", self.round_to, 1),
+                                    ("speed_size", self.speed_size, 32)):
+            if value < minimum:
+                raise ConfigError(f"{key} must be at least {minimum}", key=key, found=value)
+        if self.prune_target_macs is not None and self.prune_target_macs < 1:
+            raise ConfigError("--prune-target-macs must be positive", key="--prune-target-macs",
+                              found=self.prune_target_macs)
 
 
 @dataclass

@@ -195,3 +195,15 @@ def test_bench_serve_runs_end_to_end(tmp_path: Path, signed: tuple[Path, Path, A
     assert summary["efficiency"] > 0
     assert summary["open_loop"]["completed"] > 0
     assert summary["p99_c16_bound_ms"] > summary["full_batch_compute_ms"]
+
+
+def test_bench_serve_refuses_frames_larger_than_the_daemon_accepts(
+        tmp_path: Path, signed: tuple[Path, Path, Any]) -> None:
+    from agent.bench_serve import ServeBenchOptions, run_bench
+    from agent.errors import ConfigError
+
+    bundle, public_key, _ = signed
+    with pytest.raises(ConfigError, match="larger than the daemon accepts") as caught:
+        run_bench(ServeBenchOptions(bundle=bundle, public_keys=(public_key,), input_size=100_000,
+                                    overrides={"serving.backend": "onnxruntime"}))
+    assert caught.value.fields["limit"] == 64 << 20

@@ -124,6 +124,19 @@ def test_a_failed_build_without_a_key_leaves_no_key_behind(tmp_path, capsys):
     assert _outputs(out) == set()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--prune", "0.5", "--finetune-epochs", "-1"], "--finetune-epochs must be at least 0"),
+    (["--prune", "0.5", "--round-to", "0"], "--round-to must be at least 1"),
+    (["--prune-target-macs", "-1"], "--prune-target-macs must be positive"),
+])
+def test_bad_build_settings_are_refused_before_any_work(tmp_path, args, message, capsys):
+    out = tmp_path / "out"
+    err = _fails(["build", "--model", MODEL, "--out", str(out), *args], capsys)
+    assert message in err
+    assert _outputs(out) == set()
+
+
 def _fails(args: list[str], capsys) -> str:
     status = main(args)
     err_lines = capsys.readouterr().err.strip().splitlines()
