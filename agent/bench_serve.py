@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import signal
 import socket
 import statistics
@@ -78,6 +79,34 @@ def _rss_mb(pid: int) -> tuple[float, float]:
             if key in ("VmRSS", "VmHWM"):
                 values[key] = int(rest.split()[0]) / 1024
     return values.get("VmRSS", 0.0), values.get("VmHWM", 0.0)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far, from /proc."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU used by the daemon and by this process (the load generator; the raw backend idles
+    meanwhile) between two readings, in percent of one core, as tools/pytriton_bench.py reports
+    it for Triton: on a board the client and the server share the CPU."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.mark()
+
+    def mark(self) -> None:
+        self._at = (time.perf_counter(), _cpu_seconds(self.pid), time.process_time())
+
+    def since_mark(self) -> dict[str, float]:
+        """Percentages since the last mark, then marks again."""
+        started, server, client = self._at
+        self.mark()
+        elapsed = max(1e-9, self._at[0] - started)
+        return {"server_cpu_percent": 100 * (self._at[1] - server) / elapsed,
+                "client_cpu_percent": 100 * (self._at[2] - client) / elapsed}
 
 
 def _sample_shape(manifest: dict[str, Any], size: int) -> tuple[int, ...]:
@@ -211,9 +240,15 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
         try:
             daemon.wait_ready()
 
+            cpu = CpuMeter(daemon.process.pid)
+
             def measured(result: Any) -> dict[str, Any]:
                 entry = result.to_dict()
                 entry["rss_mb"], entry["rss_peak_mb"] = _rss_mb(daemon.process.pid)
+                # Over the whole window with its warm-up; per request: CPU-ms each answer cost.
+                entry.update(cpu.since_mark())
+                entry["server_cpu_ms_per_request"] = (
+                    10 * entry["server_cpu_percent"] / entry["qps"] if entry["qps"] else None)
                 return entry
 
             def record(result: Any) -> None:
@@ -228,6 +263,7 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
                 # raw backend idles during the HTTP window; pairing them round by round keeps the
                 # ratio honest on a machine whose speed drifts.
                 raw_round = raw.measure(options.raw_min_time_s)
+                cpu.mark()
                 result = asyncio.run(loadgen.run_closed_loop(
                     target, concurrency=top, duration_s=options.duration_s,
                     warmup_s=options.warmup_s))
@@ -239,6 +275,7 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
                       flush=True)
             # Poisson load below saturation: a fraction of the best closed-loop throughput.
             rate = options.open_loop_fraction * max(entry["qps"] for entry in levels.values())
+            cpu.mark()
             open_entry = measured(asyncio.run(loadgen.run_open_loop(
                 target, rate_per_s=rate, duration_s=options.duration_s,
                 warmup_s=options.warmup_s)))
@@ -276,6 +313,8 @@ def summarize(setup: dict[str, Any], levels: dict[str, dict[str, Any]],
         "rss_peak_mb": max([entry["rss_peak_mb"] for entry in levels.values()]
                            + [open_entry["rss_peak_mb"]]),
     }
+    top = str(max(int(level) for level in levels))
+    summary["server_cpu_ms_per_request"] = levels[top].get("server_cpu_ms_per_request")
     if "16" in levels and levels["16"]["p99_ms"] is not None:
         summary["p99_c16_ms"] = levels["16"]["p99_ms"]
         summary["p99_c16_ok"] = levels["16"]["p99_ms"] <= bound
@@ -292,7 +331,8 @@ def _format_level(label: str, entry: dict[str, Any]) -> str:
     return (f"{label:>16}  {entry['qps']:7.1f} req/s  p50{ms(entry['p50_ms'])}  "
             f"p90{ms(entry['p90_ms'])}  p99{ms(entry['p99_ms'])} ms  "
             f"queue{ms(server.get('queue_ms'))}  compute{ms(server.get('compute_ms'))} ms  "
-            f"batch {server.get('mean_batch_size') or 0:5.1f}  rss {entry['rss_mb']:6.0f} MiB"
+            f"batch {server.get('mean_batch_size') or 0:5.1f}  rss {entry['rss_mb']:6.0f} MiB  "
+            f"cpu {entry.get('server_cpu_percent', 0):3.0f}%+{entry.get('client_cpu_percent', 0):.0f}%"
             + (f"  errors {errors}" if errors else ""))
 
 
@@ -307,6 +347,9 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"{summary['p99_c16_bound_ms']:.1f} ms: "
                      f"{'met' if summary['p99_c16_ok'] else 'NOT met'})")
     lines.append(f"daemon peak RSS            {summary['rss_peak_mb']:.0f} MiB")
+    if summary.get("server_cpu_ms_per_request") is not None:
+        lines.append(f"daemon CPU per request     {summary['server_cpu_ms_per_request']:.2f} ms "
+                     f"(at the highest concurrency, all threads)")
     return "\n".join(lines)
 
 

@@ -192,9 +192,14 @@ def test_bench_serve_runs_end_to_end(tmp_path: Path, signed: tuple[Path, Path, A
         assert entry["completed"] > 0 and entry["errors"] == {}
         assert entry["p50_ms"] <= entry["p90_ms"] <= entry["p99_ms"]
         assert entry["rss_mb"] > 0
+        assert entry["server_cpu_percent"] > 0 and entry["client_cpu_percent"] > 0
+        assert entry["server_cpu_ms_per_request"] == pytest.approx(
+            10 * entry["server_cpu_percent"] / entry["qps"])
     assert summary["efficiency"] > 0
     assert summary["open_loop"]["completed"] > 0
     assert summary["p99_c16_bound_ms"] > summary["full_batch_compute_ms"]
+    assert summary["server_cpu_ms_per_request"] == summary["concurrency"]["4"][
+        "server_cpu_ms_per_request"]
 
 
 def test_bench_serve_refuses_frames_larger_than_the_daemon_accepts(
