@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import signal
 import socket
 import statistics
@@ -33,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from agent import loadgen
 from agent.errors import AgentError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -81,13 +81,6 @@ def _rss_mb(pid: int) -> tuple[float, float]:
     return values.get("VmRSS", 0.0), values.get("VmHWM", 0.0)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) so far, from /proc."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class CpuMeter:
     """CPU used by the daemon and by this process (the load generator; the raw backend idles
     meanwhile) between two readings, in percent of one core, as tools/pytriton_bench.py reports
@@ -98,7 +91,7 @@ class CpuMeter:
         self.mark()
 
     def mark(self) -> None:
-        self._at = (time.perf_counter(), _cpu_seconds(self.pid), time.process_time())
+        self._at = (time.perf_counter(), loadgen.cpu_seconds([self.pid]), time.process_time())
 
     def since_mark(self) -> dict[str, float]:
         """Percentages since the last mark, then marks again."""
@@ -206,7 +199,6 @@ class DaemonProcess:
 def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
     """Install the bundle, start the daemon, then: the concurrency sweep, ``rounds`` interleaved
     pairs of (raw backend, HTTP at the top concurrency) for the efficiency, and the open loop."""
-    from agent import loadgen
     from agent.config import load_config
     from agent.daemon import Daemon
 

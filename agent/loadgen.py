@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -152,6 +153,20 @@ class LoadResult:
         if self.server is not None:
             document["server"]["compute_ms"] = self.server.compute_ms
         return document
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU time so far of the given processes (all their threads), from /proc; a
+    process that has gone counts nothing. Both serve benchmarks read a server's CPU with it."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def percentiles(values: Sequence[float], percents: Sequence[float]) -> list[float]:

@@ -122,7 +122,8 @@ def _rewrite_for_ort(model: bytes | Path | str, *, fold_relu: bool = True,
     unshared = _unshare_zero_points(proto) if unshare else 0
     if not folded and not unshared:
         return model
-    log.debug("folded %d ReLU(s) into INT8 quantization for ONNX Runtime", folded)
+    log.debug("for ONNX Runtime: folded %d ReLU(s) into INT8 quantization, gave %d weight(s) "
+              "a zero point of their own", folded, unshared)
     return proto.SerializeToString()
 
 

@@ -489,7 +489,7 @@ def _accuracy_report(result: QuantizeResult, meta: dict[str, Any],
         accuracy["fp32_unpruned"] = round(meta["fp32_torch_metric"], 3)
     if meta.get("pruned_torch_metric") is not None:
         accuracy["pruned_fp32"] = round(meta["pruned_torch_metric"], 3)
-        accuracy["drop_vs_unpruned"] = round(meta["fp32_torch_metric"] - result.int8_metric, 3)
+        accuracy["drop_vs_unpruned"] = accuracy["drop"]  # the budgeted drop counts from it
         accuracy["budget_from"] = "unpruned FP32 (PyTorch)"
     return accuracy
 

@@ -443,3 +443,17 @@ def test_bad_configuration_is_refused() -> None:
     with pytest.raises(ConfigError):
         asyncio.run(run_open_loop(target("http://x"), rate_per_s=0.0, duration_s=1.0))
     assert math.isclose(percentiles([1.0, 2.0], [50])[0], 1.5)
+
+
+def test_cpu_seconds_counts_live_processes_and_skips_gone_ones() -> None:
+    import os
+    import time
+
+    from agent.loadgen import cpu_seconds
+
+    before = cpu_seconds([os.getpid()])
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    after = cpu_seconds([os.getpid(), 2**22 + 12345])  # above the default pid_max: never alive
+    assert after - before >= 0.03

@@ -39,7 +39,13 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from agent.loadgen import LoadResult, Target, expect_argmax, run_closed_loop  # noqa: E402
+from agent.loadgen import (  # noqa: E402
+    LoadResult,
+    Target,
+    cpu_seconds,
+    expect_argmax,
+    run_closed_loop,
+)
 from models.ort import create_session  # noqa: E402
 
 ONNX_TO_NUMPY = {
@@ -219,18 +225,6 @@ def _kb_fields(text: str) -> dict[str, int]:
         if len(parts) == 3 and parts[2] == "kB":
             fields[parts[0].rstrip(":")] = int(parts[1])
     return fields
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / ticks
 
 
 def make_target(args: argparse.Namespace, base_url: str) -> Target:
