@@ -1,9 +1,10 @@
 """CUDA buffers (agent/backends/cuda_buffers.py).
 
 The ``gpu`` tests run for real on a CUDA machine with pycuda (``pytest -m gpu``; see shared/gpu):
-fresh random data goes through a trivial kernel in both buffer modes, mapped (zero copy) and
-pinned + async copies, for several batch sizes, on reused buffers; the context is driven from other
-threads; and a timing table compares mapped, pinned + async and pageable copies for an
+fresh random data, staged into the buffers from request bodies in pieces as the batcher does it,
+goes through a trivial kernel in both buffer modes, mapped (zero copy) and pinned + async copies,
+for several batch sizes, on reused buffers; the context is driven from other threads; and a timing
+table compares mapped, pinned + async and pageable copies for an
 8x3x224x224 float32 round trip (printed, never asserted: timing thresholds do not belong in tests).
 The tests without the mark check the pool's bookkeeping on the host-memory fake.
 """
@@ -32,6 +33,7 @@ from agent.backends.cuda_buffers import (
     choose_host_memory,
 )
 from agent.errors import EngineError, InternalError
+from agent.scattered import Body, copy_rows
 
 MODES = {"mapped": True, "pinned": False}
 
@@ -162,8 +164,15 @@ def test_random_batches_round_trip_through_a_kernel(gpu: PycudaDevice, affine: C
         for round_, batch in enumerate([1, 3, 8, 5, 8, 2]):
             slot = pool.acquire()
             x = pool.host_view(slot, "x", (batch, *shape))
-            x[...] = rng.standard_normal(x.shape, dtype=np.float32)
-            expected = 2.0 * x + 1.0
+            frames = rng.standard_normal(x.shape, dtype=np.float32)
+            # Staged as the batcher stages requests: each frame's bytes arrive in pieces cut at
+            # random places (as the HTTP server receives them) and go straight into their row.
+            for row, frame in enumerate(frames):
+                raw = frame.tobytes()
+                cuts = sorted(int(c) for c in rng.integers(1, len(raw), size=round_ % 3))
+                body = Body([raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])])
+                copy_rows(x[row:row + 1], body.array(0, np.float32, (1, *shape)))
+            expected = 2.0 * frames + 1.0
             with gpu.scope():
                 pool.to_device(slot, {"x": x.shape}, stream)
                 affine(pool.device_pointer(slot, "x"), pool.device_pointer(slot, "y"), x.size, stream)
