@@ -37,7 +37,7 @@ import numpy as np
 
 from agent.backends.base import Backend
 from agent.errors import AgentError, ConfigError, InputError
-from agent.scattered import ScatteredArray, copy_rows
+from agent.scattered import DeferredArray, copy_rows
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class BatchObserver(Protocol):
 
 @dataclass(eq=False)
 class _Request:
-    inputs: Mapping[str, np.ndarray | ScatteredArray]
+    inputs: Mapping[str, np.ndarray | DeferredArray]
     batch_size: int
     shape_key: tuple[tuple[str, tuple[int, ...]], ...]
     priority: int
@@ -243,11 +243,11 @@ class Batcher:
 
     # -- submission ---------------------------------------------------------------------
 
-    def submit(self, inputs: Mapping[str, np.ndarray | ScatteredArray], *,
+    def submit(self, inputs: Mapping[str, np.ndarray | DeferredArray], *,
                priority: int | None = None,
                timeout_us: int | None = None) -> asyncio.Future[InferenceResult]:
         """Queue one request (arrays with the batch axis first, already of the model's dtypes;
-        a :class:`~agent.scattered.ScatteredArray` is copied into the batch piece by piece).
+        a :class:`~agent.scattered.DeferredArray` is copied straight into the batch).
 
         Raises:
             NotServing: the batcher is not running.
@@ -448,7 +448,8 @@ class Batcher:
         dispatched = time.monotonic()
         staged = None
         try:
-            staged = await loop.run_in_executor(instance.stage_pool, _stage, instance.backend, batch)
+            staged, failed = await loop.run_in_executor(instance.stage_pool, _stage,
+                                                        instance.backend, batch)
             instance.running = True
             outputs, compute_s = await loop.run_in_executor(instance.run_pool, _run_and_split,
                                                             instance.backend, staged, batch)
@@ -474,7 +475,10 @@ class Batcher:
                                    else 0.8 * counters.compute_ewma_s + 0.2 * compute_s)
         if self._observer is not None:
             self._observer.batch_done(samples, compute_s)
-        for request, result in zip(batch, outputs):
+        for index, (request, result) in enumerate(zip(batch, outputs)):
+            if index in failed:
+                self._finish(request, "invalid", error=failed[index])
+                continue
             queue_s = max(0.0, dispatched - request.arrival)
             self._finish(request, "success", result=InferenceResult(result, queue_s, compute_s,
                                                                     samples))
@@ -503,22 +507,31 @@ class Batcher:
 _instance_numbers = itertools.count()
 
 
-def _stage(backend: Backend, batch: list[_Request]) -> Any:
-    """Copy a batch's requests into the instance's buffers (worker thread)."""
+def _stage(backend: Backend, batch: list[_Request]) -> tuple[Any, dict[int, InputError]]:
+    """Copy a batch's requests into the instance's buffers (worker thread). A request whose
+    input cannot be read (a shared memory region its client shrank) gets zeros in its rows and
+    its error in the returned ``{position in batch: error}``; the others run."""
     total = sum(request.batch_size for request in batch)
     shapes = dict(batch[0].shape_key)
     staged = backend.stage(total, shapes)
+    failed: dict[int, InputError] = {}
     try:
         for name, target in staged.inputs.items():
             row = 0
-            for request in batch:
+            for index, request in enumerate(batch):
                 rows = request.batch_size
-                copy_rows(target[row:row + rows], request.inputs[name])
+                if index not in failed:
+                    try:
+                        copy_rows(target[row:row + rows], request.inputs[name])
+                    except InputError as exc:
+                        failed[index] = exc
+                if index in failed:
+                    target[row:row + rows] = 0
                 row += rows
     except BaseException:
         staged.release()
         raise
-    return staged
+    return staged, failed
 
 
 def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]

@@ -21,21 +21,17 @@ from typing import Any
 import numpy as np
 
 
-class ScatteredArray:
-    """An array whose bytes lie in several buffers, in order. It has the ``shape``, ``dtype`` and
-    ``ndim`` of the array it stands for; :meth:`copy_into` writes it into a contiguous array
-    without joining first, and ``np.asarray`` joins it (for any other use)."""
+class DeferredArray:
+    """An array whose bytes are somewhere else (received pieces, a shared memory file) until
+    :meth:`copy_into` writes them into a contiguous array, such as a batch's rows: one copy
+    where making a numpy array first would take two. It has the ``shape``, ``dtype``, ``ndim``
+    and ``nbytes`` of the array it stands for; ``np.asarray`` reads it (for any other use)."""
 
-    __slots__ = ("pieces", "dtype", "shape")
+    __slots__ = ("dtype", "shape")
 
-    def __init__(self, pieces: Sequence[memoryview], dtype: np.dtype, shape: Sequence[int]) -> None:
+    def __init__(self, dtype: np.dtype, shape: Sequence[int]) -> None:
         self.dtype = np.dtype(dtype)
         self.shape = tuple(int(d) for d in shape)
-        self.pieces = tuple(pieces)
-        size = sum(len(piece) for piece in self.pieces)
-        if size != math.prod(self.shape) * self.dtype.itemsize:
-            raise ValueError(f"{size} bytes cannot hold an array of shape {self.shape} "
-                             f"and dtype {self.dtype}")
 
     @property
     def ndim(self) -> int:
@@ -45,31 +41,54 @@ class ScatteredArray:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def copy_into(self, target: np.ndarray) -> None:
-        """Write the array into ``target``: same shape and dtype, C-contiguous."""
+    def check_target(self, target: np.ndarray) -> memoryview:
+        """``target``'s bytes, once it is known to have this array's shape and dtype and to be
+        C-contiguous."""
         if (target.shape != self.shape or target.dtype != self.dtype
                 or not target.flags.c_contiguous):
             raise ValueError(f"cannot copy a {self.dtype} array of shape {self.shape} into a "
                              f"{'' if target.flags.c_contiguous else 'non-contiguous '}"
                              f"{target.dtype} array of shape {target.shape}")
-        flat = target.reshape(-1).view(np.uint8)
-        offset = 0
-        for piece in self.pieces:
-            flat[offset:offset + len(piece)] = np.frombuffer(piece, np.uint8)
-            offset += len(piece)
+        return target.reshape(-1).view(np.uint8).data
+
+    def copy_into(self, target: np.ndarray) -> None:
+        """Write the array into ``target``: same shape and dtype, C-contiguous."""
+        raise NotImplementedError
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        joined = np.frombuffer(b"".join(self.pieces), self.dtype).reshape(self.shape)
-        return joined if dtype is None else joined.astype(dtype, copy=False)
+        array = np.empty(self.shape, self.dtype)
+        self.copy_into(array)
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+
+class ScatteredArray(DeferredArray):
+    """An array whose bytes lie in several buffers, in order."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: Sequence[memoryview], dtype: np.dtype, shape: Sequence[int]) -> None:
+        super().__init__(dtype, shape)
+        self.pieces = tuple(pieces)
+        size = sum(len(piece) for piece in self.pieces)
+        if size != self.nbytes:
+            raise ValueError(f"{size} bytes cannot hold an array of shape {self.shape} "
+                             f"and dtype {self.dtype}")
+
+    def copy_into(self, target: np.ndarray) -> None:
+        flat = self.check_target(target)
+        offset = 0
+        for piece in self.pieces:
+            flat[offset:offset + len(piece)] = piece
+            offset += len(piece)
 
     def __repr__(self) -> str:
         return f"ScatteredArray(shape={self.shape}, dtype={self.dtype}, pieces={len(self.pieces)})"
 
 
-def copy_rows(target: np.ndarray, value: np.ndarray | ScatteredArray) -> None:
-    """``target[...] = value`` for a batch's rows; a ScatteredArray of the target's dtype is
-    copied piece by piece, anything else goes through ``np.copyto`` (same-kind casting)."""
-    if (isinstance(value, ScatteredArray) and value.dtype == target.dtype
+def copy_rows(target: np.ndarray, value: np.ndarray | DeferredArray) -> None:
+    """``target[...] = value`` for a batch's rows; a DeferredArray of the target's dtype is
+    copied straight in, anything else goes through ``np.copyto`` (same-kind casting)."""
+    if (isinstance(value, DeferredArray) and value.dtype == target.dtype
             and value.shape == target.shape and target.flags.c_contiguous):
         value.copy_into(target)
     else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import threading
 import time
 import urllib.error
@@ -134,8 +136,9 @@ def test_infer_matches_the_onnx_model(client: Any, model_path: Path, binary_in: 
 
 def test_large_binary_inputs_go_from_received_pieces_into_the_batch(
         client: Any, model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 480 KB frame reaches the server in several pieces; they are copied into the batch as
-    received (ScatteredArray.copy_into), not joined first, and the answer is still exact."""
+    """A 393 KB request (8 frames of 64x64, the largest the model's profile takes) reaches the
+    server in several pieces; they are copied into the batch as received
+    (ScatteredArray.copy_into), not joined first, and the answer is still exact."""
     from agent.scattered import ScatteredArray
 
     copied: list[int] = []
@@ -146,7 +149,7 @@ def test_large_binary_inputs_go_from_received_pieces_into_the_batch(
         original(self, target)
 
     monkeypatch.setattr(ScatteredArray, "copy_into", counting)
-    data = frames(1, size=200, seed=4)
+    data = frames(8, size=64, seed=4)
     tensor = http.InferInput("input", list(data.shape), "FP32")
     tensor.set_data_from_numpy(data, binary_data=True)
     result = client.infer("tiny", [tensor])
@@ -223,6 +226,84 @@ def test_shared_memory_inputs_and_outputs(client: Any, model_path: Path) -> None
     assert_serving(client, model_path)
 
 
+def _shm_file(size: int) -> tuple[str, Path]:
+    key = f"edge-test-{os.getpid()}-{time.monotonic_ns()}"
+    path = Path("/dev/shm") / key
+    path.write_bytes(b"\0" * size)
+    return "/" + key, path
+
+
+def test_shared_memory_that_shrinks_after_register_is_refused(server: ServerThread, client: Any,
+                                                              model_path: Path) -> None:
+    """A client that truncates its region after registering it gets a 400 for inputs and for
+    outputs, and the daemon keeps serving (read through a mapping, the input would have killed
+    it with SIGBUS)."""
+    data = frames(1, seed=8)
+    in_key, in_path = _shm_file(data.nbytes)
+    out_key, out_path = _shm_file(40)
+    try:
+        in_path.write_bytes(data.tobytes())
+        client.register_system_shared_memory("shrinking_in", in_key, data.nbytes)
+        client.register_system_shared_memory("shrinking_out", out_key, 40)
+        tensor = http.InferInput("input", list(data.shape), "FP32")
+        tensor.set_shared_memory("shrinking_in", data.nbytes)
+        output = http.InferRequestedOutput("logits")
+        output.set_shared_memory("shrinking_out", 40)
+        client.infer("tiny", [tensor], outputs=[output])
+        np.testing.assert_allclose(np.frombuffer(out_path.read_bytes(), np.float32).reshape(1, 10),
+                                   reference_logits(model_path, data), rtol=1e-4, atol=1e-5)
+        os.truncate(out_path, 0)
+        with pytest.raises(InferenceServerException, match="smaller than when it was registered"):
+            client.infer("tiny", [tensor], outputs=[output])
+        os.truncate(in_path, 0)
+        with pytest.raises(InferenceServerException, match="smaller than when it was registered"):
+            client.infer("tiny", [tensor])
+        in_path.unlink()  # unlinked after register: the open region still answers for itself
+        with pytest.raises(InferenceServerException, match="smaller than when it was registered"):
+            client.infer("tiny", [tensor])
+    finally:
+        client.unregister_system_shared_memory()
+        for path in (in_path, out_path):
+            path.unlink(missing_ok=True)
+    assert_serving(client, model_path)
+
+
+def test_an_output_region_is_checked_before_the_model_runs(server: ServerThread, client: Any,
+                                                           model_path: Path) -> None:
+    out_key, out_path = _shm_file(8)
+    data = frames(1, seed=9)
+    tensor = http.InferInput("input", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data)
+    try:
+        client.register_system_shared_memory("small_out", out_key, 8)
+        before = client.get_inference_statistics("tiny")["model_stats"][0]["inference_count"]
+        for region in ("small_out", "not_registered"):
+            output = http.InferRequestedOutput("logits")
+            output.set_shared_memory(region, 8)
+            with pytest.raises(InferenceServerException, match="does not fit|not registered"):
+                client.infer("tiny", [tensor], outputs=[output])
+        after = client.get_inference_statistics("tiny")["model_stats"][0]["inference_count"]
+        assert after == before  # refused before it was queued: the model never ran
+    finally:
+        client.unregister_system_shared_memory()
+        out_path.unlink(missing_ok=True)
+    assert_serving(client, model_path)
+
+
+def test_http_details(server: ServerThread) -> None:
+    head = urllib.request.Request(f"http://{server.url}/v2/health/live", method="HEAD")
+    with urllib.request.urlopen(head, timeout=10) as response:
+        assert response.status == 200
+    try:
+        urllib.request.urlopen(f"http://{server.url}/v2/models/tiny/infer", timeout=10)
+        raise AssertionError("GET on infer was accepted")
+    except urllib.error.HTTPError as error:
+        assert error.code == 405
+        assert "POST" in error.headers["Allow"]
+    code, _, payload = post(server, "/v2/repository/index", b'{"ready": "no"}')
+    assert code == 400 and "'ready' must be true or false" in json.loads(payload)["error"]
+
+
 # -- bad requests ---------------------------------------------------------------------------
 
 
@@ -252,11 +333,25 @@ def binary_body(array: np.ndarray, *, declared: int | None = None, datatype: str
         ("batch too large", 400, "batch size out of range"),
         ("body over the limit", 413, "too large"),
         ("no inputs", 400, "non-empty 'inputs'"),
+        ("deeply nested json", 400, "nested too deeply"),
+        ("huge integer literal", 400, None),  # JSON's digit limit (3.11) or the shape check
+        ("nan literal", 400, "not valid JSON"),
+        ("string data", 400, "must hold numbers"),
+        ("bool data", 400, "must hold numbers"),
+        ("null data", 400, "must hold numbers"),
+        ("ragged data", 400, "must hold numbers"),
+        ("data out of range", 400, "out of range for FP32"),
+        ("binary body without its header length", 400, "Inference-Header-Content-Length"),
+        ("frame outside the profile", 400, "outside the range the model is built for"),
+        ("classification", 400, "classification extension is not supported"),
+        ("output twice", 400, "requested twice"),
+        ("body that does not decompress", 400, "cannot be read"),
+        ("unknown content encoding", 415, "Content-Encoding"),
     ],
 )
 def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(
         server: ServerThread, client: Any, model_path: Path, case: str, status: int,
-        message: str) -> None:
+        message: str | None) -> None:
     data = frames(1)
     path = "/v2/models/tiny/infer"
     headers: dict[str, str] = {}
@@ -295,11 +390,42 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(
         body, length = binary_body(frames(1, size=300))
     elif case == "no inputs":
         body, length = b'{"inputs": []}', ""
+    elif case == "deeply nested json":
+        body, length = b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", ""
+    elif case == "huge integer literal":
+        body = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [' + b"9" * 5000 + b"]}]}"
+        length = ""
+    elif case in ("nan literal", "string data", "bool data", "null data", "ragged data",
+                  "data out of range"):
+        value = {"nan literal": "NaN", "string data": '"0.5"', "bool data": "true",
+                 "null data": "null", "ragged data": "[0.5]", "data out of range": "1e300"}[case]
+        values = ", ".join(["0.5"] * 767 + [value])
+        body = ('{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 16, 16], '
+                f'"data": [{values}]}}]}}').encode()
+        length = ""
+    elif case == "binary body without its header length":
+        body, _ = binary_body(data)
+        length = ""
+    elif case == "frame outside the profile":
+        body, length = binary_body(frames(1, size=72))  # the profile allows 8 to 64
+    elif case in ("classification", "output twice"):
+        header = json.loads(binary_body(data)[0][:int(binary_body(data)[1])])
+        header["outputs"] = ([{"name": "logits", "parameters": {"classification": 3}}]
+                             if case == "classification" else [{"name": "logits"}] * 2)
+        encoded = json.dumps(header).encode()
+        body, length = encoded + data.tobytes(), str(len(encoded))
+    elif case == "body that does not decompress":
+        body, length = binary_body(data)
+        headers["Content-Encoding"] = "gzip"
+    elif case == "unknown content encoding":
+        body, length = binary_body(data)
+        headers["Content-Encoding"] = "lz4"
     if length:
         headers["Inference-Header-Content-Length"] = length
     code, _, payload = post(server, path, body, headers)
     assert code == status, payload
-    assert message in json.loads(payload)["error"]
+    if message is not None:
+        assert message in json.loads(payload)["error"]
     assert_serving(client, model_path)
 
 
@@ -408,3 +534,20 @@ def test_bearer_token_guards_everything_but_health(model_path: Path) -> None:
                                    rtol=1e-4, atol=1e-5)
     finally:
         running.stop()
+
+
+def test_malformed_http_is_logged_as_one_line(server: ServerThread,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp logs a client's malformed request with a traceback at ERROR; the server's filter
+    makes it one line at INFO, so that clients cannot fill the log with tracebacks."""
+    import socket
+
+    with caplog.at_level(logging.INFO, logger="aiohttp.server"):
+        with socket.create_connection(server.url.split(":"), timeout=10) as raw:
+            raw.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: abc\r\n\r\n")
+            assert raw.recv(1024).split(b"\r\n")[0].endswith(b" 400 Bad Request")
+        wait_for(lambda: any(r.name == "aiohttp.server" for r in caplog.records))
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in records)
+    assert "BadHttpMessage" in records[0].getMessage() and "\n" not in records[0].getMessage()

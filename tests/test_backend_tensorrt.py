@@ -346,8 +346,11 @@ def test_shapes_outside_the_profile_are_input_errors(board: Board, artifacts: Mo
     with board.backend(artifacts) as backend:
         with pytest.raises(InputError) as error:
             backend.stage(1, {"images": (3, 40, 16)})
-        assert error.value.fields["maximum"] == [4, 3, 32, 32]
-        assert error.value.fields["found"] == [1, 3, 40, 16]
+        assert error.value.fields["largest"] == [3, 32, 32]
+        assert error.value.fields["found"] == [3, 40, 16]
+        # The API checks requests against the same limits before they are queued.
+        info = backend.inputs[0]
+        assert info.limits is not None and info.limits[1] == (3, 32, 32)
         with pytest.raises(InputError):
             backend.stage(1, {"images": (3, 4, 16)})  # below the minimum height
         with pytest.raises(InputError):

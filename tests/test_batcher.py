@@ -26,6 +26,7 @@ from agent.batcher import (
     QueueFull,
 )
 from agent.errors import ConfigError, InputError
+from agent.scattered import DeferredArray
 from tests.tiny_models import (
     GatedBackend,
     artifacts_for,
@@ -280,6 +281,39 @@ def test_a_failed_batch_fails_only_its_own_requests(model_path: Path) -> None:
     good, bad, also_good = asyncio.run(main())
     assert "poisoned batch" in str(bad)
     assert good.outputs["logits"].shape == also_good.outputs["logits"].shape == (1, 10)
+
+
+class _Unreadable(DeferredArray):
+    """An input whose bytes are gone by the time its batch is assembled (as when a client
+    shrinks a shared memory region after sending the request)."""
+
+    def copy_into(self, target: np.ndarray) -> None:
+        raise InputError("shared memory object is smaller than when it was registered")
+
+
+def test_an_unreadable_input_fails_only_its_request(model_path: Path) -> None:
+    recorder = Recorder()
+    data = images(3)
+    expected = reference_logits(model_path, data)
+
+    async def main() -> list[Any]:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=4, max_queue_delay_us=200_000),
+                          observer=recorder)
+        batcher.start()
+        futures = [batcher.submit({"input": data[0:1]}),
+                   batcher.submit({"input": _Unreadable(np.float32, (1, 3, 16, 16))}),
+                   batcher.submit({"input": data[1:3]})]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        await batcher.stop()
+        return results
+
+    first, unreadable, rest = asyncio.run(main())
+    assert recorder.batches == [4]  # one batch: the unreadable request's row ran as zeros
+    assert isinstance(unreadable, InputError) and "smaller" in str(unreadable)
+    np.testing.assert_allclose(first.outputs["logits"], expected[0:1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(rest.outputs["logits"], expected[1:3], rtol=1e-4, atol=1e-5)
+    assert sorted(recorder.outcomes) == ["invalid", "success", "success"]
 
 
 def test_next_full_batch_is_staged_while_the_current_one_runs(model_path: Path) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from agent.backends.base import TensorInfo, datatype_of
 from agent.errors import InputError
-from agent.scattered import Body, ScatteredArray
+from agent.scattered import Body, DeferredArray
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -33,7 +33,10 @@ class RequestError(InputError):
 class SharedMemory(Protocol):
     """What the codec needs of the shared memory registry (agent/api/shm.py)."""
 
-    def view(self, name: str, offset: int, byte_size: int) -> memoryview: ...
+    def array(self, name: str, offset: int, dtype: np.dtype,
+              shape: tuple[int, ...]) -> DeferredArray: ...
+
+    def check(self, name: str, offset: int, byte_size: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class InferRequest:
     return."""
 
     id: str | None
-    inputs: dict[str, np.ndarray | ScatteredArray]
+    inputs: dict[str, np.ndarray | DeferredArray]
     outputs: list[OutputRequest]
     binary_output: bool
     priority: int | None = None
@@ -59,11 +62,29 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
-def _json_object(text: bytes) -> dict[str, Any]:
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(text: bytes | str, what: str = "request body") -> Any:
+    """Strict JSON (no NaN or Infinity literals); anything unreadable is a RequestError."""
     try:
-        value = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from None
+        return json.loads(text, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise RequestError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError(f"{what} is nested too deeply") from None
+
+
+def _json_object(text: bytes, *, binary_follows: bool = False) -> dict[str, Any]:
+    try:
+        value = parse_json(text)
+    except RequestError as exc:
+        if binary_follows or not text[:1] == b"{":
+            raise
+        # A binary body sent without its header length reads as JSON followed by junk.
+        raise RequestError(f"{exc.message}; a body with binary tensors needs the "
+                           f"{HEADER_LENGTH} header") from None
     if not isinstance(value, dict):
         raise RequestError("request body must be a JSON object", found=type(value).__name__)
     return value
@@ -76,7 +97,7 @@ def _int_param(parameters: Mapping[str, Any], key: str, where: str, *,
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise RequestError(f"parameter '{key}' must be an integer >= {minimum}", where=where,
-                           found=value)
+                           found=repr(value))
     return value
 
 
@@ -106,14 +127,14 @@ def decode_request(body: bytes | memoryview | Body, header_length: str | None,
         header, binary = body.bytes(0, json_length), body.tail(json_length)
     else:
         header, binary = body.bytes(), Body([])
-    document = _json_object(header)
+    document = _json_object(header, binary_follows=header_length is not None)
     request_parameters = _parameters(document, "request")
     entries = document.get("inputs")
     if not isinstance(entries, list) or not entries:
         raise RequestError("request needs a non-empty 'inputs' list")
 
     by_name = {info.name: info for info in model_inputs}
-    inputs: dict[str, np.ndarray | ScatteredArray] = {}
+    inputs: dict[str, np.ndarray | DeferredArray] = {}
     cursor = 0
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict):
@@ -134,7 +155,8 @@ def decode_request(body: bytes | memoryview | Body, header_length: str | None,
     if missing:
         raise RequestError("missing input", input=missing)
 
-    outputs = _decode_outputs(document.get("outputs"), model_outputs)
+    batch = next(iter(inputs.values())).shape[0]
+    outputs = _decode_outputs(document.get("outputs"), model_outputs, batch, shm)
     binary_output = request_parameters.get("binary_data_output", False)
     if not isinstance(binary_output, bool):
         raise RequestError("parameter 'binary_data_output' must be true or false",
@@ -154,7 +176,7 @@ def decode_request(body: bytes | memoryview | Body, header_length: str | None,
 
 
 def _decode_input(entry: Mapping[str, Any], info: TensorInfo, binary: Body, cursor: int,
-                  shm: SharedMemory | None) -> tuple[np.ndarray | ScatteredArray, int]:
+                  shm: SharedMemory | None) -> tuple[np.ndarray | DeferredArray, int]:
     """One input's array and how many binary bytes it used."""
     name = info.name
     datatype = entry.get("datatype")
@@ -191,8 +213,7 @@ def _decode_input(entry: Mapping[str, Any], info: TensorInfo, binary: Body, curs
         if region_size != byte_size:
             raise RequestError("shared_memory_byte_size does not match the shape and datatype",
                                input=name, expected=byte_size, found=region_size)
-        view = shm.view(str(region), offset, byte_size)
-        return np.frombuffer(view, dtype=dtype, count=count).reshape(shape), 0
+        return shm.array(str(region), offset, dtype, tuple(shape)), 0
 
     if binary_size is not None:
         if has_data:
@@ -208,18 +229,60 @@ def _decode_input(entry: Mapping[str, Any], info: TensorInfo, binary: Body, curs
     if not has_data:
         raise RequestError("input has no data, binary_data_size or shared memory region",
                            input=name)
-    try:
-        array = np.asarray(entry["data"], dtype=dtype)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise RequestError(f"'data' cannot be read as {info.datatype}: {exc}", input=name) from None
+    array = _json_data(entry["data"], info)
     if array.size != count:
         raise RequestError("'data' has the wrong number of elements for 'shape'", input=name,
                            expected=count, found=int(array.size))
     return array.reshape(shape), 0
 
 
-def _decode_outputs(entries: Any, model_outputs: Sequence[TensorInfo]) -> list[OutputRequest]:
-    names = [info.name for info in model_outputs]
+# What JSON ``data`` may hold, by numpy dtype kind: bool for BOOL, int for integer tensors.
+_JSON_TYPES: dict[str, tuple[set[type], str]] = {
+    "b": ({bool}, "true or false"), "i": ({int}, "integers"), "u": ({int}, "integers"),
+    "f": ({int, float}, "numbers")}
+
+
+def _json_data(data: Any, info: TensorInfo) -> np.ndarray:
+    """A JSON ``data`` list (flat or nested) as an array of the input's dtype. Only numbers are
+    accepted (integers for integer tensors, true/false for BOOL), and a value the dtype cannot
+    hold is refused rather than wrapped or turned into infinity, as Triton refuses it."""
+    name, dtype = info.name, info.dtype
+    if not isinstance(data, list):
+        raise RequestError("'data' must be a list", input=name, found=type(data).__name__)
+    try:
+        nested = np.asarray(data, dtype=object)
+    except ValueError as exc:
+        raise RequestError(f"'data' is not a regular array: {exc}", input=name) from None
+    values = nested.reshape(-1)
+    allowed, kind = _JSON_TYPES[dtype.kind]
+    if not set(map(type, values)) <= allowed:
+        wrong = next(value for value in values if type(value) not in allowed)
+        raise RequestError(f"'data' of a {info.datatype} input must hold {kind} in nested "
+                           f"lists of the same length", input=name, found=repr(wrong)[:80])
+    if dtype.kind in "iu" and values.size:
+        limits = np.iinfo(dtype)
+        low, high = min(values), max(values)
+        if low < limits.min or high > limits.max:
+            raise RequestError(f"'data' value out of range for {info.datatype}", input=name,
+                               found=low if low < limits.min else high,
+                               minimum=int(limits.min), maximum=int(limits.max))
+    elif dtype.kind == "f" and values.size:
+        try:
+            with np.errstate(over="ignore"):
+                converted = values.astype(np.float64).astype(dtype)
+        except OverflowError:  # an integer beyond any float
+            converted = np.array([np.inf])
+        if not np.isfinite(converted).all():
+            raise RequestError(f"'data' value out of range for {info.datatype}", input=name,
+                               largest=float(np.finfo(dtype).max))
+        return converted.reshape(nested.shape)
+    return values.astype(dtype).reshape(nested.shape)
+
+
+def _decode_outputs(entries: Any, model_outputs: Sequence[TensorInfo], batch: int,
+                    shm: SharedMemory | None) -> list[OutputRequest]:
+    infos = {info.name: info for info in model_outputs}
+    names = list(infos)
     if entries is None:
         return [OutputRequest(name, None) for name in names]
     if not isinstance(entries, list):
@@ -231,16 +294,33 @@ def _decode_outputs(entries: Any, model_outputs: Sequence[TensorInfo]) -> list[O
         name = entry["name"]
         if name not in names:
             raise RequestError("unknown output", output=name, expected=names)
+        if any(wanted.name == name for wanted in result):
+            raise RequestError("output requested twice", output=name)
         parameters = _parameters(entry, f"output {name}")
+        if "classification" in parameters:
+            raise RequestError("the classification extension is not supported; ask for the "
+                               "output tensor and take its top classes on the client",
+                               output=name)
         binary = parameters.get("binary_data")
         if binary is not None and not isinstance(binary, bool):
-            raise RequestError("parameter 'binary_data' must be true or false", output=name)
+            raise RequestError("parameter 'binary_data' must be true or false", output=name,
+                               found=repr(binary))
         region = parameters.get("shared_memory_region")
         if region is not None:
             size = _int_param(parameters, "shared_memory_byte_size", f"output {name}")
             if size is None:
                 raise RequestError("'shared_memory_byte_size' is required", output=name)
             offset = _int_param(parameters, "shared_memory_offset", f"output {name}") or 0
+            if shm is None:
+                raise RequestError("shared memory is not enabled", output=name)
+            # Checked before the model runs: a request whose answer has nowhere to go is refused.
+            shm.check(str(region), offset, size)
+            info = infos[name]
+            if all(d >= 0 for d in info.sample_shape):
+                needed = batch * math.prod(info.sample_shape) * info.dtype.itemsize
+                if needed > size:
+                    raise RequestError("output does not fit its shared memory region",
+                                       output=name, needed=needed, found=size)
             result.append(OutputRequest(name, binary, str(region), offset, size))
         else:
             result.append(OutputRequest(name, binary))

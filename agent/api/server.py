@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -21,9 +20,11 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from agent import __version__
-from agent.api.codec import HEADER_LENGTH, RequestError, decode_request, encode_response
+from agent.api.codec import HEADER_LENGTH, RequestError, decode_request, encode_response, parse_json
 from agent.api.shm import SystemSharedMemory
 from agent.batcher import DeadlineExceeded, NotServing, QueueFull
 from agent.errors import AgentError, InputError
@@ -35,12 +36,35 @@ log = logging.getLogger(__name__)
 
 EXTENSIONS = ["binary_tensor_data", "system_shared_memory", "model_repository", "statistics"]
 _OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
+# Content-Encoding values aiohttp decodes (br only with the brotli package, else a 400).
+_ENCODINGS = ("identity", "gzip", "deflate", "br")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+class _ClientFaults(logging.Filter):
+    """aiohttp logs a client's malformed HTTP or dropped connection as an error with a
+    traceback; anyone who can reach the port could fill the log that way. Such records become
+    one line at INFO."""
+
+    _CLIENT_FAULTS = (HttpProcessingError, ConnectionError, RequestPayloadError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, self._CLIENT_FAULTS):
+            record.msg = " ".join(f"{record.getMessage()}: {type(exc).__name__}: {exc}".split())
+            record.args = ()
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+_client_faults = _ClientFaults()
 
 
 def _status_of(exc: AgentError) -> int:
@@ -78,6 +102,9 @@ class InferenceServer:
 
     async def start(self) -> int:
         """Start listening; returns the bound port (useful with port 0)."""
+        server_log = logging.getLogger("aiohttp.server")
+        if _client_faults not in server_log.filters:
+            server_log.addFilter(_client_faults)
         self._runner = web.AppRunner(self.app, access_log=log if self._access_log else None,
                                      handle_signals=False)
         await self._runner.setup()
@@ -121,7 +148,13 @@ class InferenceServer:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return _error(exc.status, exc.reason)
+            response = _error(exc.status, exc.reason)
+            if "Allow" in exc.headers:  # 405 says which methods the path takes
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
+        except RequestPayloadError as exc:  # a compressed body that does not decompress, ...
+            reason = exc.__cause__ or exc
+            return _error(400, f"request body cannot be read: {type(reason).__name__}: {reason}")
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -135,26 +168,27 @@ class InferenceServer:
         return await handler(request)
 
     def _routes(self) -> None:
-        add = self.app.router.add_route
+        router = self.app.router
+        add, get = router.add_post, router.add_get  # add_get answers HEAD too
         # The router tries routes in order: inference, the hot path, comes first.
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            add("POST", prefix + "/infer", self._infer)
-        add("GET", "/v2/health/live", self._live)
-        add("GET", "/v2/health/ready", self._ready)
-        add("GET", "/v2", self._server_metadata)
-        add("POST", "/v2/repository/index", self._repository_index)
-        add("GET", "/v2/models/stats", self._all_stats)
+            add(prefix + "/infer", self._infer)
+        get("/v2/health/live", self._live)
+        get("/v2/health/ready", self._ready)
+        get("/v2", self._server_metadata)
+        add("/v2/repository/index", self._repository_index)
+        get("/v2/models/stats", self._all_stats)
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            add("GET", prefix, self._model_metadata)
-            add("GET", prefix + "/ready", self._model_ready)
-            add("GET", prefix + "/config", self._model_config)
-            add("GET", prefix + "/stats", self._model_stats)
-        add("GET", "/v2/systemsharedmemory/status", self._shm_status)
-        add("GET", "/v2/systemsharedmemory/region/{name}/status", self._shm_status)
-        add("POST", "/v2/systemsharedmemory/region/{name}/register", self._shm_register)
-        add("POST", "/v2/systemsharedmemory/unregister", self._shm_unregister)
-        add("POST", "/v2/systemsharedmemory/region/{name}/unregister", self._shm_unregister)
-        add("GET", "/metrics", self._metrics)
+            get(prefix, self._model_metadata)
+            get(prefix + "/ready", self._model_ready)
+            get(prefix + "/config", self._model_config)
+            get(prefix + "/stats", self._model_stats)
+        get("/v2/systemsharedmemory/status", self._shm_status)
+        get("/v2/systemsharedmemory/region/{name}/status", self._shm_status)
+        add("/v2/systemsharedmemory/region/{name}/register", self._shm_register)
+        add("/v2/systemsharedmemory/unregister", self._shm_unregister)
+        add("/v2/systemsharedmemory/region/{name}/unregister", self._shm_unregister)
+        get("/metrics", self._metrics)
 
     def _service(self, request: web.Request) -> ModelService:
         name = request.match_info["model"]
@@ -173,10 +207,7 @@ class InferenceServer:
         raw = await request.read()
         if not raw.strip():
             return {}
-        try:
-            value = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RequestError(f"request body is not valid JSON: {exc}") from None
+        value = parse_json(raw)
         if not isinstance(value, dict):
             raise RequestError("request body must be a JSON object")
         return value
@@ -212,6 +243,8 @@ class InferenceServer:
     async def _repository_index(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
         only_ready = body.get("ready", False)
+        if not isinstance(only_ready, bool):
+            raise RequestError("'ready' must be true or false", found=repr(only_ready))
         entries = []
         for service in self.services.values():
             if only_ready and not service.ready:
@@ -237,7 +270,11 @@ class InferenceServer:
         if not service.ready:
             metrics.request_rejected("rejected")
             raise NotServing("model is not ready", model=service.name)
-        body = await self._read_body(request)
+        try:
+            body = await self._read_body(request)
+        except RequestError:
+            metrics.request_rejected("invalid")
+            raise
         metrics.inflight(1)
         try:
             try:
@@ -266,7 +303,11 @@ class InferenceServer:
         loop); chunked and compressed bodies go through aiohttp's reader, which enforces the
         size limit itself."""
         length = request.content_length
-        if length is None or request.headers.get("Content-Encoding", "identity") != "identity":
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in _ENCODINGS:
+            raise RequestError("unsupported Content-Encoding", status=415, found=encoding,
+                               supported=list(_ENCODINGS))
+        if length is None or encoding != "identity":
             # Chunked or compressed (tritonclient's request_compression_algorithm): aiohttp
             # decompresses, so Content-Length is not the size of what it hands over.
             return await request.read()

@@ -2,18 +2,22 @@
 tensors by reference, so a camera pipeline on the same board hands frames over without copying
 them through HTTP (Triton's ``v2/systemsharedmemory`` API; docs/reference/serving.md §2).
 
-A region is a file under ``/dev/shm`` (the key ``/cam0`` is ``/dev/shm/cam0``) mapped into this
-process. Inputs are read through a zero-copy view and copied once, into the batch's buffer; outputs
-are written straight into the region.
+A region is a file under ``/dev/shm`` (the key ``/cam0`` is ``/dev/shm/cam0``), opened once at
+register and kept open (unlinking it afterwards is harmless). Inputs are read with ``preadv``
+straight into the batch's buffer, one copy as from a mapping; outputs are written with
+``pwritev``. Not mapping the file is deliberate: a client that shrinks it after registering would
+make any read of a mapping past the new end kill the daemon with SIGBUS, where a read from the
+file only comes back short and the request gets a 400.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
+import math
 import os
 import re
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +25,24 @@ from typing import Any
 import numpy as np
 
 from agent.api.codec import RequestError
+from agent.scattered import DeferredArray
 
 log = logging.getLogger(__name__)
 
 _KEY = re.compile(r"/?[A-Za-z0-9_.-]{1,200}")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+
+class _OpenFile:
+    """A region's open file; closed once neither the registry nor a request holds it, so an
+    unregister during a request does not pull the file from under it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
 
 
 @dataclass
@@ -34,11 +51,43 @@ class _Region:
     key: str
     offset: int
     byte_size: int
-    mapping: mmap.mmap
+    file: _OpenFile
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset,
                 "byte_size": self.byte_size}
+
+    def check_size(self, end: int) -> None:
+        """Refuse when the file no longer reaches ``end`` (its owner shrank it)."""
+        size = self.file.size()
+        if size < end:
+            raise RequestError("shared memory object is smaller than when it was registered",
+                               region=self.name, key=self.key, needed=end, found=size)
+
+
+class SharedMemoryArray(DeferredArray):
+    """An input tensor in a registered region, read when the batch is assembled."""
+
+    __slots__ = ("_region", "_start")
+
+    def __init__(self, region: _Region, start: int, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        super().__init__(dtype, shape)
+        self._region = region
+        self._start = start
+
+    def copy_into(self, target: np.ndarray) -> None:
+        view = self.check_target(target)
+        done = 0
+        while done < len(view):
+            count = os.preadv(self._region.file.fd, [view[done:]], self._start + done)
+            if count == 0:
+                self._region.check_size(self._start + len(view))  # raises: it shrank
+                raise RequestError("shared memory object ended early", region=self._region.name)
+            done += count
+
+    def __repr__(self) -> str:
+        return (f"SharedMemoryArray(region={self._region.name!r}, shape={self.shape}, "
+                f"dtype={self.dtype})")
 
 
 class SystemSharedMemory:
@@ -71,15 +120,12 @@ class SystemSharedMemory:
             except OSError as exc:
                 raise RequestError("cannot open shared memory key", key=key,
                                    reason=exc.strerror or str(exc)) from None
-            try:
-                size = os.fstat(fd).st_size
-                if offset + byte_size > size:
-                    raise RequestError("region is larger than the shared memory object", key=key,
-                                       needed=offset + byte_size, found=size)
-                mapping = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-            self._regions[name] = _Region(name, key, offset, byte_size, mapping)
+            file = _OpenFile(fd)
+            size = file.size()
+            if offset + byte_size > size:
+                raise RequestError("region is larger than the shared memory object", key=key,
+                                   needed=offset + byte_size, found=size)
+            self._regions[name] = _Region(name, key, offset, byte_size, file)
         log.info("registered shared memory region %s (%s, %d bytes at %d)", name, key, byte_size,
                  offset)
 
@@ -93,12 +139,8 @@ class SystemSharedMemory:
                 if region is None:
                     raise RequestError("shared memory region is not registered", region=name)
                 regions = [region]
-        for region in regions:
-            try:
-                region.mapping.close()
-            except BufferError:
-                # A request still reads from it; the mapping goes when that view is dropped.
-                log.debug("region %s still in use; unmapped when released", region.name)
+        for region in regions:  # each file closes when the last request reading it is done
+            log.info("unregistered shared memory region %s", region.name)
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         with self._lock:
@@ -119,14 +161,27 @@ class SystemSharedMemory:
                                needed=offset + byte_size, found=region.byte_size)
         return region, region.offset + offset
 
-    def view(self, name: str, offset: int, byte_size: int) -> memoryview:
+    def check(self, name: str, offset: int, byte_size: int) -> None:
+        """Refuse a tensor of ``byte_size`` at ``offset`` that the region cannot hold now."""
         region, start = self._span(name, offset, byte_size)
-        return memoryview(region.mapping)[start:start + byte_size]
+        region.check_size(start + byte_size)
+
+    def array(self, name: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]
+              ) -> SharedMemoryArray:
+        """An input tensor in a region, read when it is copied into its batch."""
+        dtype = np.dtype(dtype)
+        byte_size = math.prod(shape) * dtype.itemsize
+        region, start = self._span(name, offset, byte_size)
+        region.check_size(start + byte_size)
+        return SharedMemoryArray(region, start, dtype, shape)
 
     def write(self, name: str, offset: int, data: np.ndarray) -> None:
         region, start = self._span(name, offset, data.nbytes)
-        target = np.frombuffer(region.mapping, dtype=np.uint8, count=data.nbytes, offset=start)
-        target[:] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        region.check_size(start + data.nbytes)
+        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+        done = 0
+        while done < len(view):
+            done += os.pwritev(region.file.fd, [view[done:]], start + done)
 
     def close(self) -> None:
         self.unregister(None)

@@ -63,12 +63,15 @@ def datatype_of(dtype: np.dtype[Any] | str) -> str:
 class TensorInfo:
     """One model input or output as clients see it.
 
-    ``shape`` includes the batch axis first, as -1; other dynamic axes are -1 too.
+    ``shape`` includes the batch axis first, as -1; other dynamic axes are -1 too. ``limits``,
+    when given, bounds one sample's shape (without the batch axis): ``(smallest, largest)``, as
+    an engine's optimization profile or a bundle's ``engine_profile`` does.
     """
 
     name: str
     datatype: str
     shape: tuple[int, ...]
+    limits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.datatype not in DATATYPES:
@@ -94,6 +97,12 @@ class TensorInfo:
         ):
             raise InputError("input shape does not match the model", input=self.name,
                              expected=["batch", *expected], found=list(shape))
+        if self.limits is not None:
+            low, high = self.limits
+            if any(not lo <= got <= hi for lo, got, hi in zip(low, shape, high)):
+                raise InputError("input shape is outside the range the model is built for",
+                                 input=self.name, found=list(shape), smallest=list(low),
+                                 largest=list(high))
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}

@@ -9,7 +9,9 @@ array per tensor that grows to the largest batch seen and is reused afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -54,6 +56,22 @@ def _tensor_info(node: Any) -> TensorInfo:
         raise ModelError("the model needs a dynamic batch axis first", tensor=node.name,
                          found=list(node.shape))
     return TensorInfo(node.name, datatype_of(np.dtype(dtype)), shape)
+
+
+def _with_profile_limits(info: TensorInfo, manifest: Mapping[str, Any]) -> TensorInfo:
+    """``info`` bounded by the bundle's ``engine_profile`` (height and width ``[min, opt, max]``
+    for inputs whose last two axes are dynamic), so that ONNX Runtime accepts the frame sizes a
+    TensorRT engine of the same bundle accepts, and no others."""
+    profile = manifest.get("engine_profile")
+    sample = info.sample_shape
+    if (not isinstance(profile, Mapping) or len(sample) < 2 or sample[-2:] != (-1, -1)
+            or not all(isinstance(profile.get(axis), list | tuple) and len(profile[axis]) == 3
+                       for axis in ("height", "width"))):
+        return info
+    (h_low, _, h_high), (w_low, _, w_high) = profile["height"], profile["width"]
+    low = tuple(1 if dim < 0 else dim for dim in sample[:-2]) + (int(h_low), int(w_low))
+    high = tuple(sys.maxsize if dim < 0 else dim for dim in sample[:-2]) + (int(h_high), int(w_high))
+    return dataclasses.replace(info, limits=(low, high))
 
 
 def choose_providers(available: Sequence[str], wanted: Sequence[str] | None) -> list[str]:
@@ -127,7 +145,8 @@ class OnnxRuntimeBackend(Backend):
         except Exception as exc:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
             raise ModelError(f"ONNX Runtime cannot load the model: {exc}", path=path) from exc
         try:
-            self._inputs = tuple(_tensor_info(node) for node in session.get_inputs())
+            self._inputs = tuple(_with_profile_limits(_tensor_info(node), self.artifacts.manifest)
+                                 for node in session.get_inputs())
             self._outputs = tuple(_tensor_info(node) for node in session.get_outputs())
         except ModelError as exc:
             raise ModelError(exc.message, path=path, **exc.fields) from None

@@ -530,7 +530,8 @@ class TensorRTBackend(Backend):
             if any(dim < 0 for dim in largest[name]):
                 raise EngineError("output shape depends on the data, which this backend does not support",
                                   tensor=name, found=list(largest[name]))
-        self._inputs = tuple(TensorInfo(name, datatype_of(dtypes[name]), (-1, *shapes[name][1:]))
+        self._inputs = tuple(TensorInfo(name, datatype_of(dtypes[name]), (-1, *shapes[name][1:]),
+                                        (profile[name][0][1:], profile[name][1][1:]))
                              for name in input_names)
         self._outputs = tuple(TensorInfo(name, datatype_of(dtypes[name]), (-1, *shapes[name][1:]))
                               for name in output_names)
