@@ -113,6 +113,16 @@ def _sample_shape(manifest: dict[str, Any], size: int) -> tuple[int, ...]:
     return shape
 
 
+def _check_profile(manifest: dict[str, Any], size: int) -> None:
+    """The daemon refuses frames outside the bundle's engine profile: so does the benchmark."""
+    profile = manifest.get("engine_profile") or {}
+    for axis in ("height", "width"):
+        span = profile.get(axis)
+        if isinstance(span, list) and len(span) == 3 and not span[0] <= size <= span[2]:
+            raise ConfigError(f"the bundle's engine profile does not cover this {axis}",
+                              key="--input-size", found=size, smallest=span[0], largest=span[2])
+
+
 class RawBackend:
     """The configured backend instances in this process, timed without HTTP."""
 
@@ -217,6 +227,7 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
                               "(http.max_body_bytes)", key="--input-size",
                               found=options.input_size, frame_bytes=frame_bytes,
                               limit=config.http.max_body_bytes)
+        _check_profile(manifest, options.input_size)
         print(f"model {artifacts.name} v{artifacts.version}, frames "
               f"1x{'x'.join(map(str, sample_shape))}", flush=True)
         rng = np.random.default_rng(1)

@@ -212,3 +212,7 @@ def test_bench_serve_refuses_frames_larger_than_the_daemon_accepts(
         run_bench(ServeBenchOptions(bundle=bundle, public_keys=(public_key,), input_size=100_000,
                                     overrides={"serving.backend": "onnxruntime"}))
     assert caught.value.fields["limit"] == 64 << 20
+    with pytest.raises(ConfigError, match="engine profile does not cover") as caught:
+        run_bench(ServeBenchOptions(bundle=bundle, public_keys=(public_key,), input_size=72,
+                                    overrides={"serving.backend": "onnxruntime"}))
+    assert caught.value.fields["largest"] == 64
