@@ -302,6 +302,9 @@ def test_http_details(server: ServerThread) -> None:
         assert "POST" in error.headers["Allow"]
     code, _, payload = post(server, "/v2/repository/index", b'{"ready": "no"}')
     assert code == 400 and "'ready' must be true or false" in json.loads(payload)["error"]
+    code, _, payload = post(server, "/v2/repository/models/tiny/unload", b"")
+    assert code == 400 and "not allowed" in json.loads(payload)["error"]
+    assert post(server, "/v2/repository/models/other/load", b"")[0] == 404
 
 
 # -- bad requests ---------------------------------------------------------------------------

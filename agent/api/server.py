@@ -177,6 +177,8 @@ class InferenceServer:
         get("/v2/health/ready", self._ready)
         get("/v2", self._server_metadata)
         add("/v2/repository/index", self._repository_index)
+        add("/v2/repository/models/{model}/load", self._repository_control)
+        add("/v2/repository/models/{model}/unload", self._repository_control)
         get("/v2/models/stats", self._all_stats)
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             get(prefix, self._model_metadata)
@@ -253,6 +255,13 @@ class InferenceServer:
                             "state": "READY" if service.ready else "UNAVAILABLE",
                             "reason": "" if service.ready else "not ready"})
         return web.json_response(entries)
+
+    async def _repository_control(self, request: web.Request) -> web.Response:
+        # As Triton with model control mode "none": the served set is fixed by configuration.
+        service = self._service(request)
+        raise RequestError("explicit model load and unload are not allowed: the daemon serves "
+                           "the model store's current version (install a bundle to change it)",
+                           model=service.name)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if self._metrics_render is not None:
