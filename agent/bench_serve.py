@@ -14,7 +14,6 @@ P99 at concurrency 16 <= ``max_queue_delay`` + 2 x the compute time of a full ba
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import signal
@@ -60,8 +59,14 @@ class ServeBenchOptions:
                               found=list(self.concurrency))
         if self.rounds < 1:
             raise ConfigError("need at least one round", key="--rounds", found=self.rounds)
-        if self.duration_s <= 0 or self.warmup_s < 0:
-            raise ConfigError("durations must be positive", key="--duration")
+        for key, value, minimum in (("--duration", self.duration_s, 0.0),
+                                    ("--warmup", self.warmup_s, None),
+                                    ("raw_min_time_s", self.raw_min_time_s, 0.0)):
+            # ``not <=`` also refuses NaN; a day is more than any benchmark window needs.
+            low_ok = value > minimum if minimum is not None else value >= 0
+            if not low_ok or not value <= 86_400:
+                raise ConfigError("durations must be finite and positive (at most a day)",
+                                  key=key, found=value)
 
 
 def _free_port() -> int:
@@ -354,12 +359,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"daemon CPU per request     {summary['server_cpu_ms_per_request']:.2f} ms "
                      f"(at the highest concurrency, all threads)")
     return "\n".join(lines)
-
-
-def write_json(summary: dict[str, Any], path: Path) -> None:
-    from agent.fsutil import atomic_write_text
-
-    atomic_write_text(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
 
 def parse_levels(text: str) -> tuple[int, ...]:

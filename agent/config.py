@@ -215,9 +215,9 @@ class ServingConfig(_Section):
     # Execution instances. One instance using every core measured best on a 2-core CPU: two
     # single-threaded instances have more raw throughput, but over HTTP they matched one at a
     # higher P99 and twice the memory (docs in README, "bench serve").
-    instances: int = field(default=1, metadata=_bounds(minimum=1))
+    instances: int = field(default=1, metadata=_bounds(minimum=1, maximum=64))
     # Intra-op CPU threads per instance; 0 divides the CPU cores among the instances.
-    threads: int = field(default=0, metadata=_bounds(minimum=0))
+    threads: int = field(default=0, metadata=_bounds(minimum=0, maximum=256))
     max_batch_size: int = field(default=32, metadata=_bounds(minimum=1))
     max_queue_delay_us: int = field(default=5000, metadata=_bounds(minimum=0))
     # Skip the wait when requests arrive too rarely to fill a batch within it (see BatchPolicy).
@@ -228,7 +228,8 @@ class ServingConfig(_Section):
     max_queue_size: int = field(default=256, metadata=_bounds(minimum=0))
     # 0: requests wait without a deadline unless they carry one.
     default_timeout_us: int = field(default=0, metadata=_bounds(minimum=0))
-    priority_levels: int = field(default=2, metadata=_bounds(minimum=1))
+    # One queue per level, each scanned at every dispatch.
+    priority_levels: int = field(default=2, metadata=_bounds(minimum=1, maximum=100))
     default_priority_level: int = field(default=0, metadata=_bounds(minimum=0))
     warmup_batches: int = field(default=2, metadata=_bounds(minimum=0))
     # ONNX Runtime's idle threads busy-wait when true: faster alone, slower beside the HTTP loop
@@ -684,7 +685,7 @@ def _read_text(path: Path, explicit: bool) -> str | None:
         raise ConfigError("cannot read the configuration file", path=path,
                           reason=exc.strerror) from exc
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # an editor's byte order mark is not an error
     except UnicodeDecodeError as exc:
         raise ConfigError("configuration file is not UTF-8", path=path, reason=str(exc)) from exc
 

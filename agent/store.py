@@ -414,6 +414,8 @@ class ModelStore:
             document = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise self._corrupt_pointer(f"not UTF-8 JSON: {exc}") from exc
+        except RecursionError:
+            raise self._corrupt_pointer("nested too deeply") from None
         if not isinstance(document, dict):
             raise self._corrupt_pointer("not a JSON object")
         if document.get("schema_version") != POINTER_SCHEMA_VERSION:

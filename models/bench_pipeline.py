@@ -64,9 +64,13 @@ class PipelineBenchConfig:
                                     ("--rounds", self.rounds, 1)):
             if value < minimum:
                 raise ConfigError(f"{key} must be at least {minimum}", key=key, found=value)
-        if not self.min_time_s > 0:
-            raise ConfigError("--min-time must be positive", key="--min-time",
+        if not 0 < self.min_time_s <= 3600:  # also refuses NaN and infinity
+            raise ConfigError("--min-time must be positive and at most an hour", key="--min-time",
                               found=self.min_time_s)
+        if self.size > 1024:
+            raise ConfigError("--size must be at most 1024 (a batch of 8 ResNet-18 activations "
+                              "at that size already needs several GiB)", key="--size",
+                              found=self.size)
         if not self.batches or min(self.batches) < 1:
             raise ConfigError("batch sizes must be positive", found=list(self.batches))
 

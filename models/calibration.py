@@ -98,14 +98,14 @@ def _matches(sample_shape: tuple[int, ...], spec: TensorSpec) -> bool:
 
 def _read_file(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
     try:
-        if path.suffix == ".npz":
+        if path.suffix.lower() == ".npz":
             with np.load(path, allow_pickle=False) as archive:
                 arrays = {name: archive[name] for name in archive.files}
         else:
             arrays = {inputs[0].name: np.load(path, allow_pickle=False)}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise CalibrationError(f"cannot read calibration sample: {exc}", path=path) from exc
-    if path.suffix == ".npy" and len(inputs) > 1:
+    if path.suffix.lower() == ".npy" and len(inputs) > 1:
         raise CalibrationError(
             "model has several inputs: give each sample as an .npz with one array per input name",
             path=path,
@@ -134,6 +134,12 @@ def _read_file(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
             )
         if array.dtype.kind not in "fiu":
             raise CalibrationError("calibration sample is not numeric", path=path, dtype=array.dtype)
+        if array.size == 0:
+            raise CalibrationError("calibration sample is empty", path=path, input=spec.name,
+                                   found=list(array.shape))
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise CalibrationError("calibration sample holds NaN or infinite values", path=path,
+                                   input=spec.name)
         checked[spec.name] = array.astype(spec.dtype, copy=False)
     return checked
 
@@ -156,7 +162,7 @@ def from_directory(
     if not directory.is_dir():
         raise CalibrationError("calibration directory not found", path=directory)
     entries = sorted(path for path in directory.iterdir() if path.is_file())
-    arrays_files = [path for path in entries if path.suffix in (".npy", ".npz")]
+    arrays_files = [path for path in entries if path.suffix.lower() in (".npy", ".npz")]
     image_files = [path for path in entries if path.suffix.lower() in IMAGE_SUFFIXES]
     if arrays_files and image_files:
         raise CalibrationError("calibration directory mixes arrays (.npy/.npz) and images",
@@ -168,6 +174,10 @@ def from_directory(
                                    "samples instead", path=directory,
                                    inputs=", ".join(item.name for item in inputs))
         spec = ImagePreprocessing.from_file(preprocessing or directory / SPEC_FILE)
+    elif preprocessing is not None:
+        raise CalibrationError("a preprocessing spec applies to calibration images, but the "
+                               "directory holds arrays (.npy/.npz), which are used as they are",
+                               path=directory, spec=preprocessing)
     files = image_files or arrays_files
     count = _check_count(len(files), samples, str(directory))
     per_input: dict[str, list[np.ndarray]] = {item.name: [] for item in inputs}

@@ -14,6 +14,7 @@ multiplied by ``scale`` (default 1/255), normalised per channel with ``mean`` an
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ class ImagePreprocessing:
                 path=path) from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CalibrationError(f"cannot read preprocessing spec: {exc}", path=path) from None
+        except RecursionError:
+            raise CalibrationError("preprocessing spec is nested too deeply", path=path) from None
         if not isinstance(document, dict):
             raise CalibrationError("preprocessing spec must be a JSON object", path=path)
         unknown = sorted(set(document) - _KEYS)
@@ -66,9 +69,9 @@ class ImagePreprocessing:
             value = field(name)
             if (not isinstance(value, list) or len(value) != count
                     or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                               for v in value)
+                               and math.isfinite(v) for v in value)
                     or (positive and not all(v > 0 for v in value))):
-                rule = f"a list of {count} {'positive ' if positive else ''}numbers"
+                rule = f"a list of {count} finite {'positive ' if positive else ''}numbers"
                 raise CalibrationError("invalid preprocessing field", path=path, field=name,
                                        expected=rule, found=value)
             return tuple(float(v) for v in value)
@@ -82,9 +85,10 @@ class ImagePreprocessing:
             raise CalibrationError("invalid preprocessing field", path=path,
                                    field="channel_order", expected="RGB or BGR", found=order)
         scale = field("scale", 1.0 / 255.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                or not math.isfinite(scale) or scale <= 0):
             raise CalibrationError("invalid preprocessing field", path=path, field="scale",
-                                   expected="a positive number", found=scale)
+                                   expected="a finite positive number", found=scale)
         layout = field("layout", "NCHW")
         if layout != "NCHW":
             raise CalibrationError("only NCHW inputs are supported for calibration images",

@@ -29,6 +29,8 @@ METADATA_MEMBERS = (MANIFEST_MEMBER, SIGNATURE_MEMBER)
 _FIXED_MEMBERS = frozenset({MANIFEST_MEMBER, SIGNATURE_MEMBER, MODEL_MEMBER, *OPTIONAL_MEMBERS})
 _ENGINE_MEMBER = re.compile(r"engines/[A-Za-z0-9][A-Za-z0-9._+-]*\.plan")
 _NAME_SLUG = re.compile(r"[a-z0-9][a-z0-9._-]*")
+# Names become directory and file names (store, bundles, engine caches): well under NAME_MAX.
+MAX_NAME_LENGTH = 100
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _SEMVER = re.compile(r"(\d+)\.(\d+)\.(\d+)")
 # Only the shapes Python 3.10's datetime.fromisoformat reads too, so that a manifest the host
@@ -87,6 +89,8 @@ def parse_manifest_bytes(data: bytes) -> dict[str, Any]:
         manifest = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as exc:
         raise BundleError("manifest.json is not valid UTF-8 JSON", reason=str(exc)) from exc
+    except RecursionError:
+        raise BundleError("manifest.json is nested too deeply") from None
     if not isinstance(manifest, dict):
         raise invalid_field("<manifest>", "a JSON object", manifest)
     return manifest
@@ -111,9 +115,11 @@ def validate_manifest(manifest: Mapping[str, Any]) -> None:
             schema_version,
         )
 
-    name = _required(manifest, "name", "a slug [a-z0-9][a-z0-9._-]*")
-    if not isinstance(name, str) or _NAME_SLUG.fullmatch(name) is None:
-        raise invalid_field("name", "a slug [a-z0-9][a-z0-9._-]*", name)
+    rule = f"a slug [a-z0-9][a-z0-9._-]* of at most {MAX_NAME_LENGTH} characters"
+    name = _required(manifest, "name", rule)
+    if (not isinstance(name, str) or _NAME_SLUG.fullmatch(name) is None
+            or len(name) > MAX_NAME_LENGTH):
+        raise invalid_field("name", rule, name)
 
     _check_int(_required(manifest, "version", "an integer >= 1"), "version", minimum=1)
 

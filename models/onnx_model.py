@@ -44,6 +44,8 @@ def load_onnx(path: Path) -> Any:
     """Load and check an ONNX file; a missing, truncated or invalid file raises ModelError."""
     onnx = require("onnx", extra="host", purpose="reading ONNX models")
     path = Path(path)
+    if path.is_dir():
+        raise ModelError("the ONNX model path is a directory, not a file", path=path)
     if not path.is_file():
         raise ModelError("ONNX model not found", path=path)
     try:
@@ -76,6 +78,36 @@ def _spec(value_info: Any) -> TensorSpec:
             "unsupported tensor element type", tensor=value_info.name, elem_type=tensor_type.elem_type
         )
     return TensorSpec(value_info.name, dtype, tuple(dims), tuple(names))
+
+
+# Ops of a model that is quantized already; the pipeline quantizes float models.
+_QUANTIZED_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv",
+                  "QLinearMatMul", "ConvInteger", "MatMulInteger"}
+MIN_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (an axis attribute) needs 13
+
+
+def check_float_model(model: Any, path: Path | None = None) -> None:
+    """Refuse, before any work, an ONNX model the build cannot quantize: one quantized already,
+    one below opset 13, inputs that are not floating point or lack a dynamic batch axis."""
+    where = {"path": path} if path is not None else {}
+    quantized = sorted({node.op_type for node in model.graph.node} & _QUANTIZED_OPS)
+    if quantized:
+        raise ModelError("the ONNX model is quantized already; give the float model",
+                         found=quantized, **where)
+    opset = max((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")),
+                default=0)
+    if opset < MIN_OPSET:
+        raise ModelError(f"the ONNX model's opset is too old for per-channel INT8; re-export it "
+                         f"with opset {MIN_OPSET} or newer", found=opset, **where)
+    inputs, _ = io_specs(model)
+    for spec in inputs:
+        if not spec.dtype.startswith("float"):
+            raise ModelError("the build calibrates floating-point inputs only", input=spec.name,
+                             found=spec.dtype, **where)
+        if not spec.shape or spec.shape[0] != -1:
+            raise ModelError("the model's first input axis must be a dynamic batch axis (export "
+                             "with a dynamic batch dimension)", input=spec.name,
+                             found=list(spec.shape), **where)
 
 
 def io_specs(model: Any) -> tuple[list[TensorSpec], list[TensorSpec]]:

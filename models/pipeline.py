@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from agent import __version__
 from agent.errors import ConfigError, PruningError
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
 from models.bundle import pack_bundle
+from models.manifest import MAX_NAME_LENGTH
 from models.calibration import DEFAULT_SAMPLES, CalibrationSet, from_array, from_directory
 from models.ort import int8_kernels
 from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, model_outputs, quantize_model
@@ -82,9 +85,10 @@ class BuildOptions:
                               max_batch=self.max_batch)
         if self.version is not None and self.version < 1:
             raise ConfigError("version must be >= 1", found=self.version)
-        if self.name is not None and not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", self.name):
-            raise ConfigError("name must be lower-case letters, digits, '.', '_' or '-'",
-                              found=self.name)
+        if self.name is not None and (not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", self.name)
+                                      or len(self.name) > MAX_NAME_LENGTH):
+            raise ConfigError(f"name must be lower-case letters, digits, '.', '_' or '-', at "
+                              f"most {MAX_NAME_LENGTH} characters", found=self.name)
         if self.calib_samples < 1:
             raise ConfigError("calibration sample count must be >= 1", found=self.calib_samples)
         for key, value, minimum in (("--threads", self.threads, 1),
@@ -119,7 +123,7 @@ def next_version(out_dir: Path, name: str) -> int:
 
 def _slug(text: str) -> str:
     slug = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-._")
-    return slug or "model"
+    return slug[:MAX_NAME_LENGTH].rstrip("-._") or "model"
 
 
 def _signing_key(options: BuildOptions) -> tuple[Any, str, Path | None]:
@@ -136,6 +140,10 @@ def _signing_key(options: BuildOptions) -> tuple[Any, str, Path | None]:
     if default.exists():
         key = signing.load_private_key(default)
         return key, signing.compute_key_id(key.public_key()), None
+    if signing.public_key_path(default).exists():
+        raise ConfigError("the output directory has a public key but no private key to sign "
+                          "with; give --key, or remove the public key to make a new pair",
+                          path=signing.public_key_path(default))
     key = signing.generate_private_key()
     log.warning("no --key given: signing with a new key, written to %s when the build succeeds; "
                 "devices must trust %s", default, signing.public_key_path(default))
@@ -211,15 +219,56 @@ def prune_and_finetune(model: Any, options: BuildOptions, train_split: Any, held
     return result.model, report
 
 
+def _prepare_out_dir(out_dir: Path) -> bool:
+    """Make sure ``--out`` is a directory this process can write (creating it when missing;
+    returns whether it did, so that a failed build can remove it again) and remove the staging
+    directories of builds that were killed."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError("--out is not a directory", key="--out", path=out_dir)
+    created = not out_dir.exists()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("cannot create the output directory", key="--out", path=out_dir,
+                          reason=exc.strerror or str(exc)) from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ConfigError("the output directory is not writable", key="--out", path=out_dir)
+    for stale in out_dir.glob(".build-*"):
+        match = re.fullmatch(r"\.build-(\d+)-.*", stale.name)
+        if match and stale.is_dir() and not _process_alive(int(match[1])):
+            log.info("removing %s, left by a build that was killed", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+    return created
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def build(options: BuildOptions) -> BuildResult:
     """Run the whole pipeline; see the module docstring."""
-    options.out_dir.mkdir(parents=True, exist_ok=True)
+    created = _prepare_out_dir(options.out_dir)
+    try:
+        return _build(options)
+    except BaseException:
+        if created and not any(options.out_dir.iterdir()):
+            options.out_dir.rmdir()
+        raise
+
+
+def _build(options: BuildOptions) -> BuildResult:
     stages = _Stages()
     started = time.perf_counter()
     report: dict[str, Any] = {"agent_version": __version__}
     key, key_id, new_key_path = _signing_key(options)
 
-    with staging_dir(options.out_dir, prefix=".build-") as work:
+    with staging_dir(options.out_dir, prefix=f".build-{os.getpid()}-") as work:
         if options.onnx is not None:
             float_bytes, evaluator, calibration, meta = stages.run(
                 "load ONNX", _from_onnx, options, report)
@@ -409,9 +458,10 @@ def _agreement_evaluator(float_bytes: bytes, calibration: CalibrationSet) -> Eva
 
 def _from_onnx(options: BuildOptions, report: dict[str, Any]):
     from models.export import clean_onnx, node_counts
-    from models.onnx_model import io_specs, load_onnx
+    from models.onnx_model import check_float_model, io_specs, load_onnx
 
     raw = load_onnx(options.onnx)
+    check_float_model(raw, options.onnx)
     inputs, _ = io_specs(raw)
     calibration = from_directory(options.calib_dir, inputs, options.calib_samples,
                                  preprocessing=options.calib_preprocess)

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from agent.errors import KeyFileError, SignatureError
-from agent.fsutil import atomic_write_bytes
+from agent.fsutil import atomic_output_file, atomic_write_bytes
 
 SIGNATURE_ALGORITHM = "ed25519"
 KEY_ID_HEX_CHARS = 16
@@ -86,13 +86,27 @@ def write_keypair(private_key_path: Path, *, overwrite: bool = False) -> Ed25519
     """
     private_key_path = Path(private_key_path)
     public_path = public_key_path(private_key_path)
-    if not overwrite:
-        for path in (private_key_path, public_path):
-            if path.exists() or path.is_symlink():
-                raise KeyFileError("key file already exists", path=path)
+    for path in (private_key_path, public_path):
+        if path.is_dir():
+            raise KeyFileError("key file path is a directory", path=path)
+        if not overwrite and (path.exists() or path.is_symlink()):
+            raise KeyFileError("key file already exists", path=path)
     private_key = generate_private_key()
-    write_private_key(private_key_path, private_key, overwrite=True)
-    write_public_key(public_path, private_key.public_key(), overwrite=True)
+    private_bytes = private_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption())
+    public_bytes = private_key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    # Both files are written to temporaries first and renamed at the end (the public key's
+    # first): a failure anywhere before the renames leaves the old pair as it was.
+    try:
+        with atomic_output_file(private_key_path, mode=PRIVATE_KEY_FILE_MODE) as private_tmp:
+            private_tmp.write_bytes(private_bytes)
+            with atomic_output_file(public_path, mode=PUBLIC_KEY_FILE_MODE) as public_tmp:
+                public_tmp.write_bytes(public_bytes)
+    except OSError as exc:
+        raise KeyFileError("cannot write the key pair", path=private_key_path,
+                           reason=exc.strerror or str(exc)) from exc
     return private_key
 
 
@@ -167,6 +181,10 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     path = Path(path)
     data = _read_key_file(path)
     label = _pem_label(path, data)
+    private = [found.decode("ascii") for found in _PEM_LABEL.findall(data)
+               if b"PRIVATE" in found]
+    if private:
+        label = private[0]
     if "PRIVATE" in label:
         # Refuse rather than derive the public half: a private key handed out as a "trusted key"
         # has most likely been copied somewhere it should not be.
@@ -210,6 +228,8 @@ def parse_signature_document(data: bytes) -> SignatureDocument:
         document = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _malformed("it is not UTF-8 JSON", reason=str(exc)) from exc
+    except RecursionError:
+        raise _malformed("it is nested too deeply") from None
     if not isinstance(document, dict):
         raise _malformed("it is not a JSON object", found=type(document).__name__)
     for field_name in ("algorithm", "key_id", "signature"):

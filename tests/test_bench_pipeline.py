@@ -102,3 +102,15 @@ def test_large_allocations_stay_on_the_heap() -> None:
     touch_fresh_block(libc, 40 << 20)
     # 40 MB of fresh 4 KiB pages would be about 10,000 faults; the reused heap block needs none.
     assert touch_fresh_block(libc, 40 << 20) < 1000
+
+
+@pytest.mark.parametrize(("field", "value", "key"), [
+    ("min_time_s", float("inf"), "--min-time"), ("min_time_s", float("nan"), "--min-time"),
+    ("size", 100_000, "--size")])
+def test_settings_that_would_never_finish_are_refused(field: str, value: float, key: str) -> None:
+    from agent.errors import ConfigError
+    from models.bench_pipeline import PipelineBenchConfig
+
+    with pytest.raises(ConfigError) as caught:
+        PipelineBenchConfig(**{field: value})
+    assert caught.value.fields["key"] == key

@@ -107,3 +107,18 @@ def test_arrays_and_images_cannot_be_mixed(tmp_path: Path) -> None:
     np.save(tmp_path / "calib" / "extra.npy", np.zeros((3, 12, 10), np.float32))
     with pytest.raises(CalibrationError, match="mixes"):
         from_directory(tmp_path / "calib", [DYNAMIC], samples=2)
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ('{"resize": [8, 8], "mean": [NaN, 0, 0], "std": [1, 1, 1]}', "mean"),
+    ('{"resize": [8, 8], "mean": [0, 0, 0], "std": [Infinity, 1, 1]}', "std"),
+    ('{"resize": [8, 8], "mean": [0, 0, 0], "std": [1, 1, 1], "scale": NaN}', "scale")])
+def test_a_spec_with_nan_or_infinity_names_the_field(tmp_path: Path, text: str, field: str) -> None:
+    from agent.errors import CalibrationError
+    from models.images import ImagePreprocessing
+
+    spec = tmp_path / "preprocessing.json"
+    spec.write_text(text)
+    with pytest.raises(CalibrationError, match="invalid preprocessing field") as caught:
+        ImagePreprocessing.from_file(spec)
+    assert caught.value.fields["field"] == field

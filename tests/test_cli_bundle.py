@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
@@ -405,3 +406,84 @@ def test_inspect_refuses_an_unsafe_tar(tmp_path: Path, capsys: pytest.CaptureFix
     status, out, err = run_cli(capsys, "inspect", evil)
     assert out == ""
     assert_one_line_error(status, err, "symbolic link", "model.onnx")
+
+
+# --------------------------------------------------------------------------------------------------
+# bad input found by probing the command line
+
+
+def test_keygen_force_never_leaves_a_half_replaced_pair(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    private_path, public_path = keys
+    before = private_path.read_bytes()
+    public_path.unlink()
+    public_path.mkdir()  # the public half cannot be written
+    status, _, err = run_cli(capsys, "keygen", "--out", private_path, "--force")
+    assert_one_line_error(status, err, "is a directory")
+    assert private_path.read_bytes() == before
+    for bad in ("", "keys/"):
+        with pytest.raises(SystemExit) as usage:
+            run_cli(capsys, "keygen", "--out", bad)
+        assert usage.value.code == 2 and "expected a file path" in capsys.readouterr().err
+
+
+def test_sign_refuses_outputs_that_would_destroy_inputs(
+    tmp_path: Path, keys: tuple[Path, Path], bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    private_path, _ = keys
+    key_bytes = private_path.read_bytes()
+    status, _, err = run_cli(capsys, "sign", bundle, "--key", private_path, "--out", private_path)
+    assert_one_line_error(status, err, "the signing key itself")
+    assert private_path.read_bytes() == key_bytes
+    status, _, err = run_cli(capsys, "sign", bundle, "--key", private_path, "--out", bundle)
+    assert_one_line_error(status, err, "the bundle being signed")
+    build = tmp_path / "build"  # the bundle fixture's build directory
+    status, _, err = run_cli(capsys, "sign", build, "--key", private_path,
+                             "--out", build / "model.onnx")
+    assert_one_line_error(status, err, "inside the build directory")
+    existing = tmp_path / "existing.bundle"
+    existing.write_bytes(b"keep me")
+    status, _, err = run_cli(capsys, "sign", bundle, "--key", private_path, "--out", existing)
+    assert_one_line_error(status, err, "already exists", "--force")
+    assert existing.read_bytes() == b"keep me"
+    status, _, _ = run_cli(capsys, "sign", bundle, "--key", private_path, "--out", existing,
+                           "--force")
+    assert status == 0 and tarfile.is_tarfile(existing)
+
+
+def test_a_trusted_key_file_that_also_holds_a_private_key_is_refused(
+    tmp_path: Path, keys: tuple[Path, Path], bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    private_path, public_path = keys
+    mixed = tmp_path / "mixed.pub"
+    mixed.write_bytes(public_path.read_bytes() + private_path.read_bytes())
+    status, _, err = run_cli(capsys, "verify", bundle, "--pubkey", mixed)
+    assert_one_line_error(status, err, "holds a private key")
+
+
+@pytest.mark.parametrize("member", ["manifest.sig", "manifest.json"])
+def test_a_deeply_nested_document_is_a_one_line_error(
+    tmp_path: Path, keys: tuple[Path, Path], bundle: Path, capsys: pytest.CaptureFixture[str],
+    member: str
+) -> None:
+    """JSON nested 30,000 deep (60 KB) made the parser recurse out of stack: a traceback."""
+    with tarfile.open(bundle) as source:
+        members = {info.name: source.extractfile(info).read() for info in source.getmembers()}
+    members[member] = b"[" * 30_000 + b"]" * 30_000
+    if member == "manifest.json":
+        del members["manifest.sig"]  # unsigned: inspect reads the manifest itself
+    hostile = tmp_path / "hostile.bundle"
+    with tarfile.open(hostile, "w") as target:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            target.addfile(info, io.BytesIO(data))
+    if member == "manifest.sig":
+        status, _, err = run_cli(capsys, "verify", hostile, "--pubkey", keys[1])
+        assert_one_line_error(status, err, "nested too deeply")
+        status, out, err = run_cli(capsys, "inspect", hostile)  # no key: shows, does not judge
+        assert "nested too deeply" in out + err and "Traceback" not in err
+    else:
+        status, _, err = run_cli(capsys, "inspect", hostile)
+        assert_one_line_error(status, err, "nested too deeply")

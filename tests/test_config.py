@@ -282,8 +282,10 @@ INVALID_VALUES = [
     ("http.port", 65536, "0..65535"),
     ("http.max_body_bytes", 1023, ">= 1024"),
     ("serving.backend", "tensorflow", '"onnxruntime"'),
-    ("serving.instances", 0, ">= 1"),
-    ("serving.threads", -1, ">= 0"),
+    ("serving.instances", 0, "1..64"),
+    ("serving.instances", 65, "1..64"),
+    ("serving.threads", -1, "0..256"),
+    ("serving.threads", 100_000, "0..256"),
     ("serving.max_batch_size", 0, ">= 1"),
     ("serving.max_queue_delay_us", -1, ">= 0"),
     ("serving.preferred_batch_sizes", [0, 8], "1..max_batch_size (32)"),
@@ -291,7 +293,8 @@ INVALID_VALUES = [
     ("serving.preferred_batch_sizes", [8, 8], "distinct"),
     ("serving.max_queue_size", -1, ">= 0"),
     ("serving.default_timeout_us", -1, ">= 0"),
-    ("serving.priority_levels", 0, ">= 1"),
+    ("serving.priority_levels", 0, "1..100"),
+    ("serving.priority_levels", 1_000_000_000, "1..100"),
     ("serving.default_priority_level", -1, ">= 0"),
     ("serving.default_priority_level", 3, "1..priority_levels (2)"),
     ("serving.warmup_batches", -1, ">= 0"),
@@ -661,3 +664,17 @@ def test_toml_parser_matches_the_python_version() -> None:
     # Python 3.10 (JetPack 6) has no tomllib; tomli is its dependency there.
     expected = "tomllib" if sys.version_info >= (3, 11) else "tomli"
     assert config_module.tomllib.__name__ == expected
+
+
+def test_a_byte_order_mark_is_not_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_bytes(b"\xef\xbb\xbf[serving]\nmax_batch_size = 8\n")
+    assert load_config(path, env={}).serving.max_batch_size == 8
+
+
+def test_an_empty_state_dir_flag_is_refused_not_taken_for_the_working_directory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.cli import main
+
+    assert main(["serve", "--state-dir", "", "--print-config"]) == 1
+    assert "'state_dir'" in capsys.readouterr().err

@@ -216,3 +216,27 @@ def test_bench_serve_refuses_frames_larger_than_the_daemon_accepts(
         run_bench(ServeBenchOptions(bundle=bundle, public_keys=(public_key,), input_size=72,
                                     overrides={"serving.backend": "onnxruntime"}))
     assert caught.value.fields["largest"] == 64
+
+
+@pytest.mark.parametrize(("field", "value"), [("duration_s", float("nan")),
+                                              ("duration_s", float("inf")),
+                                              ("warmup_s", float("nan"))])
+def test_bench_serve_refuses_durations_that_never_end(tmp_path: Path, field: str,
+                                                      value: float) -> None:
+    from agent.bench_serve import ServeBenchOptions
+    from agent.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="finite"):
+        ServeBenchOptions(bundle=tmp_path / "b", public_keys=(), **{field: value})
+
+
+def test_bench_refuses_a_json_path_it_could_not_write_before_measuring(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.cli import main
+
+    status = main(["bench", "serve", "--bundle", str(tmp_path / "absent.bundle"), "--pubkey",
+                   str(tmp_path / "k.pub"), "--json", str(tmp_path)])
+    assert status == 1 and "--json is a directory" in capsys.readouterr().err
+    status = main(["bench", "serve", "--bundle", str(tmp_path / "absent.bundle"), "--pubkey",
+                   str(tmp_path / "k.pub"), "--json", str(tmp_path / "no" / "out.json")])
+    assert status == 1 and "does not exist" in capsys.readouterr().err

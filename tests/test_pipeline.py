@@ -128,7 +128,7 @@ def test_a_failed_build_without_a_key_leaves_no_key_behind(tmp_path, capsys):
     (["--threads", "0"], "--threads must be at least 1"),
     (["--prune", "0.5", "--finetune-epochs", "-1"], "--finetune-epochs must be at least 0"),
     (["--prune", "0.5", "--round-to", "0"], "--round-to must be at least 1"),
-    (["--prune-target-macs", "-1"], "--prune-target-macs must be positive"),
+    (["--prune-target-macs", "-1"], "--prune-target-macs must be a positive"),
 ])
 def test_bad_build_settings_are_refused_before_any_work(tmp_path, args, message, capsys):
     out = tmp_path / "out"
@@ -275,3 +275,137 @@ def test_build_from_onnx_calibrates_on_images_and_records_their_preprocessing(
     assert manifest["preprocessing"]["resize"] == [16, 16]
     assert manifest["preprocessing"]["mean"] == [0.5, 0.5, 0.5]
     assert manifest["calibration"]["samples"] == 64
+
+
+# -- bad input found by probing the command line -------------------------------------------
+
+
+def _rewritten(model_path: Path, tmp_path: Path, name: str, change) -> Path:
+    model = onnx.load(str(model_path))
+    change(model)
+    path = tmp_path / name
+    onnx.save(model, str(path))
+    return path
+
+
+def test_models_the_build_cannot_quantize_are_refused_before_any_work(tmp_path, keys, digits_onnx,
+                                                                      capsys):
+    from onnx import TensorProto, helper
+
+    model_path, calib = digits_onnx
+
+    def fixed_batch(model):
+        model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 1
+
+    def int64_input(model):
+        model.graph.input[0].type.tensor_type.elem_type = TensorProto.INT64
+
+    def old_opset(model):
+        model.opset_import[0].version = 11
+
+    def quantized(model):  # a Q/DQ pair on the input, as a quantized export has them
+        name = model.graph.input[0].name
+        for node in model.graph.node:
+            node.input[:] = ["dq" if value == name else value for value in node.input]
+        model.graph.initializer.extend([helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]),
+                                        helper.make_tensor("z", TensorProto.INT8, [], [0])])
+        model.graph.node.insert(0, helper.make_node("DequantizeLinear", ["q", "s", "z"], ["dq"]))
+        model.graph.node.insert(0, helper.make_node("QuantizeLinear", [name, "s", "z"], ["q"]))
+
+    cases = {"fixed_batch": (fixed_batch, "dynamic batch axis"),
+             "int64": (int64_input, "floating-point inputs only"),
+             "opset": (old_opset, "opset is too old"),
+             "quantized": (quantized, "quantized already")}
+    for name, (change, message) in cases.items():
+        bad = _rewritten(model_path, tmp_path, f"{name}.onnx", change)
+        out = tmp_path / f"out-{name}"
+        err = _fails(["build", "--onnx", str(bad), "--calib-dir", str(calib), "--key", str(keys),
+                      "--out", str(out)], capsys)
+        assert message in err, err
+        assert not out.exists()  # the build created it, and removed it again
+    err = _fails(["build", "--onnx", str(tmp_path), "--calib-dir", str(calib), "--key", str(keys),
+                  "--out", str(tmp_path / "out-dir")], capsys)
+    assert "is a directory" in err
+
+
+def test_output_directory_problems_are_one_line_errors(tmp_path, keys, digits_onnx, capsys):
+    model_path, calib = digits_onnx
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    common = ["build", "--onnx", str(model_path), "--calib-dir", str(calib), "--key", str(keys)]
+    assert "--out is not a directory" in _fails([*common, "--out", str(a_file)], capsys)
+    assert "cannot create the output directory" in _fails([*common, "--out", str(a_file / "sub")],
+                                                          capsys)
+    # A public key without its private half: refused at once, no new key written beside it.
+    out = tmp_path / "pub-only"
+    out.mkdir()
+    write_keypair(out / "other.key")
+    (out / "other.key").rename(out / "elsewhere.key")
+    (out / "other.key.pub").rename(out / "signing.key.pub")
+    err = _fails(["build", "--onnx", str(model_path), "--calib-dir", str(calib), "--out", str(out)],
+                 capsys)
+    assert "public key but no private key" in err
+    assert _outputs(out) == {"signing.key.pub", "elsewhere.key"}
+    assert "--prune-target-macs" in _fails(["build", "--model", MODEL, "--prune-target-macs", "0",
+                                            "--out", str(tmp_path / "o")], capsys)
+
+
+def test_a_killed_builds_staging_directory_is_removed_by_the_next_build(tmp_path, keys):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    out = tmp_path / "out"
+    stale = out / f".build-{dead.stdout.strip()}-abc"
+    live = out / ".build-1-xyz"  # pid 1 is alive: another build's, left alone
+    stale.mkdir(parents=True)
+    live.mkdir()
+    from models.pipeline import _prepare_out_dir
+
+    assert _prepare_out_dir(out) is False
+    assert not stale.exists() and live.exists()
+
+
+def test_bad_calibration_samples_name_the_file(tmp_path, keys, digits_onnx, capsys):
+    model_path, calib = digits_onnx
+    sample = np.load(sorted(calib.glob("*.npy"))[0])
+    for name, array, message in (("nan", np.full_like(sample, np.nan), "NaN or infinite"),
+                                 ("empty", np.zeros((3, 0, 0), np.float32), "wrong shape|empty")):
+        directory = tmp_path / name
+        directory.mkdir()
+        np.save(directory / "a.npy", sample)
+        np.save(directory / "bad.npy", array)
+        err = _fails(["build", "--onnx", str(model_path), "--calib-dir", str(directory),
+                      "--key", str(keys), "--out", str(tmp_path / f"out-{name}")], capsys)
+        assert "bad.npy" in err and any(part in err for part in message.split("|")), err
+    spec = tmp_path / "spec.json"
+    spec.write_text('{"resize": [16, 16], "mean": [0, 0, 0], "std": [1, 1, 1]}')
+    err = _fails(["build", "--onnx", str(model_path), "--calib-dir", str(calib),
+                  "--calib-preprocess", str(spec), "--key", str(keys),
+                  "--out", str(tmp_path / "out-spec")], capsys)
+    assert "used as they are" in err
+
+
+def test_sigterm_during_a_build_removes_its_staging_directory(tmp_path, keys, digits_onnx):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model_path, calib = digits_onnx
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent", "-q", "build", "--onnx", str(model_path), "--calib-dir",
+         str(calib), "--key", str(keys), "--out", str(out), *FAST],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".build-*")) and process.poll() is None:
+        assert time.monotonic() < deadline, "the build never started staging"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "terminated" in err
+    assert not out.exists()  # staging removed, and the directory the build made with it

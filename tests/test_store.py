@@ -525,6 +525,7 @@ def test_other_leftovers_are_removed_at_start(state_dir: Path, store: ModelStore
          "invalid model name"),
         (b'{"schema_version": 1, "current": null, "previous": {"name": "tinycnn", "version": "1"}}',
          "invalid model version"),
+        (b"[" * 30_000 + b"]" * 30_000, "nested too deeply"),
     ],
 )
 def test_a_corrupt_pointer_is_reported(state_dir: Path, store: ModelStore, content: bytes, reason: str) -> None:

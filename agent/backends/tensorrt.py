@@ -204,7 +204,7 @@ class EngineCache:
             return None
         try:
             record = json.loads(self.record_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             record = None
         if not isinstance(record, dict):
             log.warning("cached engine %s has no readable record; rebuilding it", self.plan_path)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -47,16 +48,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands whose work (staging directories, temporary stores) is cleaned up on the way out: a
+# SIGTERM (systemd, a CI timeout, kill) unwinds them as Ctrl-C does. serve and demo handle
+# SIGTERM themselves, by draining.
+_UNWIND_ON_SIGTERM = ("build", "bench", "bundle", "train")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that ``finally`` blocks run."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(-1 if args.quiet else args.verbose)
+    if args.command in _UNWIND_ON_SIGTERM:
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return int(args.handler(args) or 0)
     except AgentError as exc:
         print(f"edge-agent: error: {exc}", file=sys.stderr)
         log.debug("error details", exc_info=True)
         return 1
+    except Terminated:
+        print("edge-agent: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("edge-agent: interrupted", file=sys.stderr)
         return 130

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from agent.deps import require
+from agent.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,6 +31,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     register_serve(kinds)
 
 
+def check_json_path(path: Path | None) -> None:
+    """Refuse a --json path that cannot be written before minutes of measuring, not after."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ConfigError("--json is a directory", key="--json", path=path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError("--json's directory does not exist", key="--json", path=path)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("--json's directory is not writable", key="--json", path=path)
+
+
+def write_summary(summary: dict[str, object], path: Path) -> None:
+    from agent.fsutil import atomic_write_text
+
+    try:
+        atomic_write_text(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:
+        raise ConfigError("cannot write the results", key="--json", path=path,
+                          reason=exc.strerror or str(exc)) from None
+
+
 def run_pipeline(args: argparse.Namespace) -> int:
     require("torch", extra="host", purpose="edge-agent bench pipeline")
     from models.bench_pipeline import PipelineBenchConfig, format_table, run
@@ -41,9 +66,11 @@ def run_pipeline(args: argparse.Namespace) -> int:
         min_time_s=args.min_time,
         rounds=args.rounds,
     )
-    summary = run(config, args.json)
+    check_json_path(args.json)
+    summary = run(config)
     print(format_table(summary))
     if args.json:
+        write_summary(summary, args.json)
         print(f"wrote {args.json}")
     else:
         print(json.dumps({key: value for key, value in summary.items()
@@ -73,22 +100,17 @@ def register_serve(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from agent.bench_serve import (
-        ServeBenchOptions,
-        format_summary,
-        parse_levels,
-        run_bench,
-        write_json,
-    )
+    from agent.bench_serve import ServeBenchOptions, format_summary, parse_levels, run_bench
 
     options = ServeBenchOptions(
         bundle=args.bundle, public_keys=tuple(args.pubkey), config=args.config,
         input_size=args.input_size, concurrency=parse_levels(args.concurrency),
         duration_s=args.duration, warmup_s=args.warmup, rounds=args.rounds,
     )
+    check_json_path(args.json)
     summary = run_bench(options)
     print(format_summary(summary))
     if args.json:
-        write_json(summary, args.json)
+        write_summary(summary, args.json)
         print(f"wrote {args.json}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -70,6 +71,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.set_defaults(handler=run_train)
 
 
+def _target_macs(gmacs: float) -> int:
+    """--prune-target-macs in GMACs as a MAC count; 0, negative or not finite is refused (0 was
+    once taken for "not set")."""
+    from agent.errors import ConfigError
+
+    if not math.isfinite(gmacs) or gmacs <= 0:
+        raise ConfigError("--prune-target-macs must be a positive number of GMACs",
+                          key="--prune-target-macs", found=gmacs)
+    return max(1, int(gmacs * 1e9))
+
+
 def run_build(args: argparse.Namespace) -> int:
     require("torch", extra="host", purpose="edge-agent build")
     from models.pipeline import BuildOptions, build, format_summary
@@ -86,7 +98,8 @@ def run_build(args: argparse.Namespace) -> int:
         calib_dir=args.calib_dir,
         calib_preprocess=args.calib_preprocess,
         prune_ratio=args.prune_ratio,
-        prune_target_macs=int(args.prune_target_macs * 1e9) if args.prune_target_macs else None,
+        prune_target_macs=(None if args.prune_target_macs is None
+                           else _target_macs(args.prune_target_macs)),
         prune_importance=args.importance,
         prune_scope=args.prune_scope,
         round_to=args.round_to,

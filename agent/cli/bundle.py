@@ -29,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     keygen = actions.add_parser("keygen", help="make an Ed25519 signing key pair")
     keygen.add_argument(
-        "--out", type=Path, required=True, help="private key file; PATH.pub gets the public key"
+        "--out", type=_file_path, required=True,
+        help="private key file; PATH.pub gets the public key"
     )
     keygen.add_argument("--force", action="store_true", help="overwrite existing key files")
     keygen.set_defaults(handler=run_keygen)
@@ -39,7 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "source", type=Path, help="a directory holding manifest.json and the artifacts, or a bundle"
     )
     sign.add_argument("--key", type=Path, required=True, help="private key (PEM)")
-    sign.add_argument("--out", type=Path, required=True, help="bundle file to write")
+    sign.add_argument("--out", type=_file_path, required=True, help="bundle file to write")
+    sign.add_argument("--force", action="store_true", help="replace an existing --out file")
     sign.set_defaults(handler=run_sign)
 
     verify = actions.add_parser("verify", help="check a bundle's signature, hashes and manifest")
@@ -58,6 +60,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     inspect.set_defaults(handler=run_inspect)
 
 
+def _file_path(text: str) -> Path:
+    """An argparse type for a file to write: not empty, not ending in a slash."""
+    if not text or text.endswith(("/", "/.", "/..")) or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
+    return Path(text)
+
+
+def _check_sign_output(out: Path, source: Path, key: Path, force: bool) -> None:
+    """Refuse an --out that would overwrite the key, the source or a file inside the build
+    directory being packed, or any existing file without --force."""
+    target = out.resolve()
+    if target == key.resolve():
+        raise BundleError("--out is the signing key itself", path=out)
+    if target == source.resolve():
+        raise BundleError("--out is the bundle being signed; write the new bundle elsewhere",
+                          path=out)
+    if source.is_dir() and target.is_relative_to(source.resolve()):
+        raise BundleError("--out is inside the build directory being packed", path=out,
+                          directory=source)
+    if out.is_dir():
+        raise BundleError("--out is a directory", path=out)
+    if (out.exists() or out.is_symlink()) and not force:
+        raise BundleError("--out already exists (use --force to replace it)", path=out)
+
+
 def run_keygen(args: argparse.Namespace) -> int:
     from models.signing import compute_key_id, public_key_path, write_keypair
 
@@ -66,6 +93,8 @@ def run_keygen(args: argparse.Namespace) -> int:
     if not args.force:
         # write_keypair refuses too; checking here lets the message name the flag.
         for path in (private_path, public_path):
+            if path.is_dir():
+                raise KeyFileError("key file path is a directory", path=path)
             if path.exists() or path.is_symlink():
                 raise KeyFileError("key file already exists (use --force to replace it)", path=path)
     private_key = write_keypair(private_path, overwrite=args.force)
@@ -81,6 +110,7 @@ def run_sign(args: argparse.Namespace) -> int:
 
     signing_key = load_private_key(args.key)
     source: Path = args.source
+    _check_sign_output(args.out, source, args.key, args.force)
     if source.is_dir():
         manifest, files = read_build_directory(source)
         manifest = pack_bundle(args.out, manifest, files, signing_key)

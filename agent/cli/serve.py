@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--bundle", type=Path, help="install this bundle and make it current")
     serve.add_argument("--pubkey", type=Path, action="append", metavar="PUB",
                        help="trusted Ed25519 public key (repeatable; adds to trust.public_keys)")
-    serve.add_argument("--state-dir", type=Path, metavar="DIR", help="model store directory")
+    serve.add_argument("--state-dir", metavar="DIR", help="model store directory")
     serve.add_argument("--http-host", metavar="HOST", help="listen address (default loopback)")
     serve.add_argument("--http-port", type=int, metavar="PORT", help="listen port (default 8000)")
     serve.add_argument("--backend", choices=BACKEND_CHOICES, help="inference backend")
