@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from agent.backends import (
 from agent.backends.base import Backend, frame_shape
 from agent.batcher import BatchPolicy
 from agent.config import AgentConfig
-from agent.errors import StoreError
+from agent.errors import AgentError, StoreError
 from agent.metrics import ServingMetrics
 from agent.serving import ModelService
 from agent.store import ModelStore
@@ -192,11 +193,27 @@ class Daemon:
         self.services.clear()
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """Raise the error the HTTP server would raise if ``host:port`` cannot be listened on now."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(infos[0][4])
+    except OSError as exc:
+        raise AgentError("cannot listen for HTTP", host=host, port=port,
+                         reason=exc.strerror or str(exc)) from None
+
+
 def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
                on_ready: Callable[[int], Any] | None = None) -> int:
     """Run in the foreground until SIGTERM/SIGINT; returns the exit status."""
     daemon = Daemon(config)
     if bundle is not None:
+        # A busy port would only be found after the bundle became current: look first.
+        check_can_listen(config.http.host, config.http.port)
         artifacts = daemon.install(bundle)
         log.info("installed %s v%d from %s", artifacts.name, artifacts.version, bundle)
 

@@ -554,3 +554,21 @@ def test_malformed_http_is_logged_as_one_line(server: ServerThread,
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert all(r.levelno == logging.INFO and r.exc_info is None for r in records)
     assert "BadHttpMessage" in records[0].getMessage() and "\n" not in records[0].getMessage()
+
+
+def test_expect_100_continue_refuses_an_oversized_body_before_it_is_sent(
+        server: ServerThread) -> None:
+    import socket
+
+    with socket.create_connection(server.url.split(":"), timeout=10) as raw:
+        raw.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 5000000\r\n\r\n")
+        answer = raw.recv(4096)
+    assert answer.split(b"\r\n")[0].endswith(b"413 Request Entity Too Large"), answer
+    assert b"100 Continue" not in answer
+    with socket.create_connection(server.url.split(":"), timeout=10) as raw:
+        raw.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                    b"Content-Length: 2\r\n\r\n")
+        assert raw.recv(4096).startswith(b"HTTP/1.1 100 Continue")
+        raw.sendall(b"{}")
+        assert b"200 OK" in raw.recv(4096)

@@ -240,3 +240,21 @@ def test_bench_refuses_a_json_path_it_could_not_write_before_measuring(
     status = main(["bench", "serve", "--bundle", str(tmp_path / "absent.bundle"), "--pubkey",
                    str(tmp_path / "k.pub"), "--json", str(tmp_path / "no" / "out.json")])
     assert status == 1 and "does not exist" in capsys.readouterr().err
+
+
+def test_serve_bundle_on_a_busy_port_installs_nothing(tmp_path: Path,
+                                                      signed: tuple[Path, Path, Any]) -> None:
+    bundle, public_key, _ = signed
+    state = tmp_path / "state"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "agent", "serve", "--bundle", str(bundle), "--pubkey",
+             str(public_key), "--state-dir", str(state), "--http-port", str(port)],
+            capture_output=True, text=True, timeout=60, env=clean_env(), check=False)
+    assert result.returncode == 1, result.stderr
+    assert "cannot listen for HTTP" in result.stderr, result.stderr
+    models = state / "models"
+    assert not models.exists() or not any(models.iterdir())  # nothing installed or made current  # the bundle did not become current

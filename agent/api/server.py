@@ -169,7 +169,11 @@ class InferenceServer:
 
     def _routes(self) -> None:
         router = self.app.router
-        add, get = router.add_post, router.add_get  # add_get answers HEAD too
+        get = router.add_get  # answers HEAD too
+
+        def add(path: str, handler: Handler) -> None:
+            router.add_post(path, handler, expect_handler=self._expect)
+
         # The router tries routes in order: inference, the hot path, comes first.
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             add(prefix + "/infer", self._infer)
@@ -191,6 +195,20 @@ class InferenceServer:
         add("/v2/systemsharedmemory/unregister", self._shm_unregister)
         add("/v2/systemsharedmemory/region/{name}/unregister", self._shm_unregister)
         get("/metrics", self._metrics)
+
+    async def _expect(self, request: web.Request) -> web.Response | None:
+        """``Expect: 100-continue``: a body over the limit is refused before the client sends
+        it (aiohttp's default answers 100 Continue whatever the size)."""
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers['Expect']}")
+        length = request.content_length
+        if length is not None and length > self._max_body_bytes:
+            return _error(413, f"request body too large (limit={self._max_body_bytes}, "
+                               f"found={length})")
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the 100 is not the answer's start
+        return None
 
     def _service(self, request: web.Request) -> ModelService:
         name = request.match_info["model"]
