@@ -6,15 +6,19 @@ assembled while the previous one computes.
 
 When a batch goes (Triton's rules, see docs/reference/serving.md §1):
 
-* An idle instance takes requests as soon as they make a full batch (``max_batch_size``) or reach a
-  preferred size (the largest that fits is sent), or when the oldest request has waited
-  ``max_queue_delay_us``.
+* An idle instance takes requests as soon as they make a full batch (``max_batch_size``) or the
+  leading ones add up to exactly a preferred size (the largest such run is sent), when the oldest
+  request has waited ``max_queue_delay_us``, or when waiting longer would let a queued request's
+  deadline pass.
 * While every instance is busy, the pending batch keeps growing; only a full batch is staged ahead
   into an instance's spare buffer set, so nothing is cut short just because an instance was busy.
 * Requests are taken by priority (1 is the highest), first come first served within a level, and a
   batch only joins requests whose per-sample shapes match (one bundle serves several frame sizes).
-* A request whose deadline passes while queued is answered with :class:`DeadlineExceeded`; a full
-  queue rejects new requests at once with :class:`QueueFull` (the API answers 503).
+* A request whose deadline passes before its batch starts to run (queued, or staged behind the
+  running batch) is answered with :class:`DeadlineExceeded`, never with a late result; queue time
+  runs until the batch starts. A request's timeout may only shorten ``default_timeout_us``. A full
+  queue rejects new requests at once with :class:`QueueFull` (the API answers 503); a cancelled
+  request (its HTTP client went away) leaves the queue at once.
 * A failed batch fails only its own requests, each with the error.
 
 Load signals for the power governor (a later issue) come from :meth:`Batcher.load`.
@@ -67,7 +71,9 @@ class BatchPolicy:
     default_priority_level: int = 2
     # Triton waits out the delay whenever a batch is not full. With adaptive_delay an idle
     # instance takes a partial batch at once when, at the recent arrival rate, fewer than one
-    # more request is expected before the delay ends: waiting would only add latency.
+    # more request is expected before the delay ends, or when recent arrivals (nearly) all found
+    # nothing else queued or running (one client sending its next request after each answer):
+    # waiting would only add latency.
     adaptive_delay: bool = False
 
     def __post_init__(self) -> None:
@@ -175,6 +181,7 @@ class Batcher:
         self._last_arrival: float | None = None
         self._arrival_interval_s: float | None = None  # exponentially weighted mean
         self._last_gap_s: float | None = None
+        self._found_alone = 0.0  # EWMA of arrivals that found the batcher empty
         self._max_batch_size = min(policy.max_batch_size,
                                    *(backend.max_batch_size for backend in instances))
 
@@ -274,6 +281,8 @@ class Batcher:
         timeout = int(timeout_us or policy.default_timeout_us)
         if timeout < 0:
             raise InputError("timeout must be >= 0 microseconds", found=timeout_us)
+        if policy.default_timeout_us:  # as Triton's allow_timeout_override: only shorter
+            timeout = min(timeout, policy.default_timeout_us)
         future: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
         request = _Request(
             inputs=inputs, batch_size=batch_size,
@@ -281,6 +290,11 @@ class Batcher:
             priority=level, arrival=now, deadline=now + timeout / 1e6 if timeout else None,
             future=future, sequence=next(self._sequence),
         )
+        # Did it find nothing else waiting or running? Almost always so means one client that
+        # sends its next request when the last is answered: no company will come while it waits.
+        alone = self._queued == 0 and not any(i.outstanding for i in self._instances)
+        self._found_alone = 0.7 * self._found_alone + 0.3 * alone  # ~6 arrivals to settle
+        future.add_done_callback(self._on_future_done)
         self._queues[level - 1].append(request)
         self._queued += 1
         self._counters.arrivals += 1
@@ -315,6 +329,10 @@ class Batcher:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    def _on_future_done(self, future: asyncio.Future[InferenceResult]) -> None:
+        if future.cancelled():  # the client went away: free its place in the queue now
+            self._poke()
+
     async def _schedule(self) -> None:
         assert self._wakeup is not None  # start() sets it; not input validation
         while True:
@@ -343,11 +361,17 @@ class Batcher:
                 if full or now >= due or not self._accepting:
                     self._launch(idle, batch)
                     continue
-                preferred = [size for size in self.policy.preferred_batch_sizes if size <= total]
+                preferred = self._preferred_prefix(batch)
                 if preferred:
-                    self._launch(idle, self._trim(batch, max(preferred)))
+                    self._launch(idle, preferred)
                     continue
-                if self.policy.adaptive_delay and self._expected_arrivals(due - now) < 1.0:
+                if self.policy.adaptive_delay and (self._expected_arrivals(due - now) < 1.0
+                                                   or self._found_alone >= 0.85):
+                    self._launch(idle, batch)
+                    continue
+                # Waiting out the delay would time a request out on an idle instance.
+                deadlines = [r.deadline for r in batch if r.deadline is not None]
+                if deadlines and min(deadlines) - self._counters.compute_ewma_s <= due:
                     self._launch(idle, batch)
                     continue
                 return self._until_next_deadline(due - now, now)
@@ -388,15 +412,17 @@ class Batcher:
                 total += request.batch_size
         return batch, total
 
-    @staticmethod
-    def _trim(batch: list[_Request], size: int) -> list[_Request]:
-        kept, total = [], 0
-        for request in batch:
-            if total + request.batch_size > size:
-                break
-            kept.append(request)
+    def _preferred_prefix(self, batch: list[_Request]) -> list[_Request] | None:
+        """The longest leading run of ``batch`` (in priority and arrival order) whose samples
+        add up to exactly a preferred size, or None: a batch goes early only at a preferred
+        size, as in Triton; anything else waits for company or the delay."""
+        preferred = set(self.policy.preferred_batch_sizes)
+        found, total = None, 0
+        for index, request in enumerate(batch):
             total += request.batch_size
-        return kept or batch[:1]
+            if total in preferred:
+                found = index + 1
+        return batch[:found] if found else None
 
     def _expire(self, now: float) -> None:
         """Answer queued requests whose deadline passed; drop those whose client gave up."""
@@ -445,14 +471,13 @@ class Batcher:
 
     async def _execute(self, instance: _Instance, batch: list[_Request]) -> None:
         loop = asyncio.get_running_loop()
-        dispatched = time.monotonic()
         staged = None
         try:
             staged, failed = await loop.run_in_executor(instance.stage_pool, _stage,
                                                         instance.backend, batch)
             instance.running = True
-            outputs, compute_s = await loop.run_in_executor(instance.run_pool, _run_and_split,
-                                                            instance.backend, staged, batch)
+            outputs, run_started, compute_s = await loop.run_in_executor(
+                instance.run_pool, _run_and_split, instance.backend, staged, batch)
         except Exception as exc:  # the batch's requests get the error, not the loop
             error = exc if isinstance(exc, AgentError) else AgentError(
                 f"inference failed: {type(exc).__name__}: {exc}")
@@ -479,12 +504,21 @@ class Batcher:
             if index in failed:
                 self._finish(request, "invalid", error=failed[index])
                 continue
-            queue_s = max(0.0, dispatched - request.arrival)
+            if request.deadline is not None and request.deadline < run_started:
+                # Staged ahead, it waited for the running batch past its deadline: no late
+                # success (its rows ran, the answer is dropped).
+                self._finish(request, "timeout", error=DeadlineExceeded(
+                    "request timed out before its batch ran",
+                    waited_ms=round((run_started - request.arrival) * 1e3, 3)))
+                continue
+            queue_s = max(0.0, run_started - request.arrival)
             self._finish(request, "success", result=InferenceResult(result, queue_s, compute_s,
                                                                     samples))
 
     def _finish(self, request: _Request, outcome: str, *, result: InferenceResult | None = None,
                 error: BaseException | None = None) -> None:
+        if request.future.cancelled():  # its client went away while the batch ran
+            outcome, result, error = "cancelled", None, None
         if outcome == "success":
             self._counters.completed += 1
         if not request.future.done():
@@ -535,10 +569,10 @@ def _stage(backend: Backend, batch: list[_Request]) -> tuple[Any, dict[int, Inpu
 
 
 def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]
-                   ) -> tuple[list[dict[str, np.ndarray]], float]:
+                   ) -> tuple[list[dict[str, np.ndarray]], float, float]:
     """Run a staged batch and cut the outputs into owned per-request arrays (worker thread).
-    Also returns the compute time, measured here so that a staged batch's wait for the running
-    one is not counted."""
+    Also returns when the run began and the compute time, measured here so that a staged
+    batch's wait for the running one counts as queue time, not compute."""
     started = time.monotonic()
     outputs = backend.run(staged)
     compute_s = time.monotonic() - started
@@ -549,4 +583,4 @@ def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]
         results.append({name: np.array(value[row:row + rows], copy=True)
                         for name, value in outputs.items()})
         row += rows
-    return results, compute_s
+    return results, started, compute_s

@@ -108,6 +108,12 @@ class ModelService:
     def platform(self) -> str:
         return {"tensorrt": "tensorrt_plan"}.get(self.backends[0].kind, "onnxruntime_onnx")
 
+    def rejected(self, outcome: str) -> None:
+        """A request refused before it reached the batcher (bad input, full queue, not ready):
+        a failure in Triton's statistics too, so that their counts add up to what was sent."""
+        self.metrics.request_rejected(outcome)
+        self.statistics.fail.add(0.0)
+
     def start(self) -> None:
         self.batcher.start()
         self.ready = True

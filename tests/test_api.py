@@ -489,6 +489,8 @@ def test_full_queue_answers_503(model_path: Path) -> None:
             assert "queue is full" in json.loads(payload)["error"]
             gated.gate.set()
             assert [f.result()[0] for f in (first, second, third)] == [200, 200, 200]
+        stats = running.service.stats()["inference_stats"]
+        assert (stats["success"]["count"], stats["fail"]["count"]) == (3, 1)  # adds up to 4
     finally:
         gated.gate.set()
         running.stop()
@@ -572,3 +574,38 @@ def test_expect_100_continue_refuses_an_oversized_body_before_it_is_sent(
         assert raw.recv(4096).startswith(b"HTTP/1.1 100 Continue")
         raw.sendall(b"{}")
         assert b"200 OK" in raw.recv(4096)
+
+
+def test_a_client_that_goes_away_frees_its_queue_place(model_path: Path) -> None:
+    """aiohttp cancels the handler of a client that disconnects (handler_cancellation), and the
+    batcher drops its queued request: the place is free for the next client, and nothing is
+    computed for nobody."""
+    import socket
+
+    gated = backend(model_path, GatedBackend)
+    running = ServerThread([gated], BatchPolicy(max_batch_size=1, max_queue_delay_us=0,
+                                                max_queue_size=1))
+    try:
+        gated.gate.clear()
+        body, length = binary_body(frames(1))
+        headers = {"Inference-Header-Content-Length": length}
+        batcher = running.service.batcher
+        with ThreadPoolExecutor(4) as pool:
+            first = pool.submit(post, running, "/v2/models/tiny/infer", body, headers)
+            assert gated.running.wait(5)
+            second = pool.submit(post, running, "/v2/models/tiny/infer", body, headers)
+            wait_for(lambda: gated.events.count("stage1") == 2 and batcher.queue_depth == 0)
+            with socket.create_connection(running.url.split(":"), timeout=10) as raw:
+                raw.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\n"
+                            b"Inference-Header-Content-Length: " + length.encode() +
+                            b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                wait_for(lambda: batcher.queue_depth == 1)
+            wait_for(lambda: batcher.queue_depth == 0, lambda: batcher.load())
+            third = pool.submit(post, running, "/v2/models/tiny/infer", body, headers)
+            wait_for(lambda: batcher.queue_depth == 1)  # admitted: the queue had room again
+            gated.gate.set()
+            assert [f.result()[0] for f in (first, second, third)] == [200, 200, 200]
+        assert gated.events.count("run-start") == 3  # the abandoned request never ran
+    finally:
+        gated.gate.set()
+        running.stop()

@@ -426,3 +426,159 @@ def test_replace_backends_moves_new_batches_and_drains_the_old_instance(tmp_path
     np.testing.assert_allclose(after.outputs["logits"], reference_logits(new_model, data),
                                rtol=1e-4, atol=1e-5)
     assert retired == [old]
+
+
+# -- semantics found by probing the daemon over HTTP ----------------------------------------
+
+
+def test_a_staged_request_past_its_deadline_is_not_a_late_success(model_path: Path) -> None:
+    """A full batch staged into the spare buffers waits for the running one; its deadline still
+    holds there, and the wait counts as queue time."""
+    backend = make_backend(model_path, GatedBackend, max_batch=1)
+    recorder = Recorder()
+
+    async def main() -> tuple[Any, Any]:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0),
+                          observer=recorder)  # two buffer sets: the second request is staged
+        batcher.start()
+        backend.gate.clear()
+        first = batcher.submit({"input": images(1)})
+        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        staged_late = batcher.submit({"input": images(1)}, timeout_us=50_000)
+        for _ in range(200):
+            if backend.events.count("stage1") == 2:
+                break
+            await asyncio.sleep(0.005)
+        assert backend.events.count("stage1") == 2  # it was staged, not left in the queue
+        await asyncio.sleep(0.15)
+        backend.gate.set()
+        results = await asyncio.gather(first, staged_late, return_exceptions=True)
+        await batcher.stop()
+        return results[0], results[1]
+
+    first, staged_late = asyncio.run(main())
+    assert isinstance(staged_late, DeadlineExceeded) and "before its batch ran" in str(staged_late)
+    assert first.queue_s < 0.1
+    assert sorted(recorder.outcomes) == ["success", "timeout"]
+
+
+def test_queue_time_runs_until_the_batch_starts(model_path: Path) -> None:
+    backend = make_backend(model_path, GatedBackend, max_batch=1)
+
+    async def main() -> Any:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0))
+        batcher.start()
+        backend.gate.clear()
+        first = batcher.submit({"input": images(1)})
+        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        second = batcher.submit({"input": images(1)})
+        await asyncio.sleep(0.2)
+        backend.gate.set()
+        await first
+        result = await second
+        await batcher.stop()
+        return result
+
+    assert asyncio.run(main()).queue_s >= 0.19
+
+
+def test_a_request_timeout_may_only_shorten_the_default(model_path: Path) -> None:
+    backend = make_backend(model_path, GatedBackend, max_batch=1)
+
+    async def main() -> float:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0,
+                                                 default_timeout_us=50_000), buffer_sets=1)
+        batcher.start()
+        backend.gate.clear()
+        first = batcher.submit({"input": images(1)}, timeout_us=10_000_000)
+        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        started = time.monotonic()
+        longer = batcher.submit({"input": images(1)}, timeout_us=10_000_000)
+        with pytest.raises(DeadlineExceeded):
+            await asyncio.wait_for(longer, 2)
+        waited = time.monotonic() - started
+        backend.gate.set()
+        await first
+        await batcher.stop()
+        return waited
+
+    assert asyncio.run(main()) < 0.5
+
+
+def test_a_cancelled_request_leaves_the_queue_at_once(model_path: Path) -> None:
+    backend = make_backend(model_path, GatedBackend, max_batch=1)
+    recorder = Recorder()
+
+    async def main() -> int:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0,
+                                                 max_queue_size=1), observer=recorder,
+                          buffer_sets=1)
+        batcher.start()
+        backend.gate.clear()
+        first = batcher.submit({"input": images(1)})
+        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        abandoned = batcher.submit({"input": images(1)})
+        abandoned.cancel()  # what the HTTP layer does when the client goes away
+        await asyncio.sleep(0.05)
+        depth = batcher.queue_depth
+        replacement = batcher.submit({"input": images(1)})  # the queue has room again
+        backend.gate.set()
+        await asyncio.gather(first, replacement)
+        await batcher.stop()
+        return depth
+
+    assert asyncio.run(main()) == 0
+    assert sorted(recorder.outcomes) == ["cancelled", "success", "success"]
+
+
+@pytest.mark.parametrize(("sizes", "batches", "early"), [
+    ((3, 5), [8], True),      # 3 + 5 is the preferred 8: it goes at once
+    ((5, 4), [9], False),     # no leading run adds up to 8: both wait for the delay, together
+    ((3, 3, 3), [9], False)])
+def test_preferred_sizes_with_multi_sample_requests(model_path: Path, sizes: tuple[int, ...],
+                                                    batches: list[int], early: bool) -> None:
+    recorder = Recorder()
+
+    async def main() -> list[Any]:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=32, max_queue_delay_us=200_000,
+                                      preferred_batch_sizes=(8,)), observer=recorder)
+        batcher.start()
+        futures = [batcher.submit({"input": images(size, seed=i)}) for i, size in enumerate(sizes)]
+        results = await asyncio.gather(*futures)
+        await batcher.stop()
+        return results
+
+    results = asyncio.run(main())
+    assert recorder.batches == batches
+    waited = max(result.queue_s for result in results)
+    assert (waited < 0.1) if early else (waited >= 0.19)
+
+
+def test_adaptive_delay_does_not_hold_a_lone_client_that_sends_back_to_back(
+        model_path: Path) -> None:
+    async def main() -> list[float]:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=8, max_queue_delay_us=100_000,
+                                      adaptive_delay=True))
+        batcher.start()
+        waits = []
+        for index in range(20):  # the next request only once the last is answered
+            waits.append((await batcher.submit({"input": images(1, seed=index)})).queue_s)
+        await batcher.stop()
+        return waits
+
+    waits = asyncio.run(main())
+    assert sorted(waits)[len(waits) // 2] < 0.02  # the median request did not wait the delay
+
+
+def test_a_deadline_inside_the_delay_runs_on_an_idle_instance(model_path: Path) -> None:
+    async def main() -> Any:
+        batcher = Batcher([make_backend(model_path)],
+                          BatchPolicy(max_batch_size=8, max_queue_delay_us=300_000))
+        batcher.start()
+        result = await batcher.submit({"input": images(1)}, timeout_us=100_000)
+        await batcher.stop()
+        return result
+
+    assert asyncio.run(main()).queue_s < 0.1

@@ -105,8 +105,10 @@ class InferenceServer:
         server_log = logging.getLogger("aiohttp.server")
         if _client_faults not in server_log.filters:
             server_log.addFilter(_client_faults)
+        # handler_cancellation: a client that goes away cancels its handler, and with it its
+        # queued request (the batcher drops it), instead of holding a queue place and compute.
         self._runner = web.AppRunner(self.app, access_log=log if self._access_log else None,
-                                     handle_signals=False)
+                                     handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         try:
@@ -295,12 +297,12 @@ class InferenceServer:
         service = self._service(request)
         metrics = service.metrics
         if not service.ready:
-            metrics.request_rejected("rejected")
+            service.rejected("rejected")
             raise NotServing("model is not ready", model=service.name)
         try:
             body = await self._read_body(request)
         except RequestError:
-            metrics.request_rejected("invalid")
+            service.rejected("invalid")
             raise
         metrics.inflight(1)
         try:
@@ -310,10 +312,10 @@ class InferenceServer:
                 future = service.batcher.submit(decoded.inputs, priority=decoded.priority,
                                                 timeout_us=decoded.timeout_us)
             except (RequestError, InputError):
-                metrics.request_rejected("invalid")
+                service.rejected("invalid")
                 raise
             except (QueueFull, NotServing):
-                metrics.request_rejected("rejected")
+                service.rejected("rejected")
                 raise
             result = await future
             payload, headers = encode_response(decoded, result.outputs, model_name=service.name,
