@@ -223,7 +223,11 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
         overrides = {**options.overrides, "state_dir": state_dir, "http.port": port,
                      "trust.public_keys": list(options.public_keys)}
         config = load_config(options.config, overrides=overrides)
-        artifacts = Daemon(config).install(options.bundle)
+        installer = Daemon(config)
+        try:
+            artifacts = installer.install(options.bundle)
+        finally:
+            installer.close()  # the daemon process below takes the state directory
         manifest = dict(artifacts.manifest)
         sample_shape = _sample_shape(manifest, options.input_size)
         frame_bytes = 4 * math.prod(sample_shape)  # one FP32 frame per request

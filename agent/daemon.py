@@ -145,10 +145,23 @@ class Daemon:
         self.server: InferenceServer | None = None
 
     def install(self, bundle: Path) -> ModelArtifacts:
-        """Verify and install a bundle and make it current (``serve --bundle``)."""
+        """Verify and install a bundle and make it current (``serve --bundle``). Versions
+        beyond ``store.keep_versions`` are deleted before (to make room) and after."""
+        self._collect_garbage()
         artifacts = self.store.install(bundle)
         self.store.activate(artifacts.name, artifacts.version)
+        self._collect_garbage()
         return artifacts
+
+    def _collect_garbage(self) -> None:
+        try:
+            self.store.garbage_collect()
+        except StoreError as exc:
+            log.warning("could not delete old model versions: %s", exc)
+
+    def close(self) -> None:
+        """Let go of the state directory."""
+        self.store.close()
 
     async def start(self) -> int:
         """Load the current model and start the HTTP API; returns the port."""
@@ -185,6 +198,7 @@ class Daemon:
             await self.server.stop(drain=True, timeout_s=timeout_s)
             self.server = None
         self._free()
+        self.close()
 
     def _free(self) -> None:
         for service in self.services.values():
@@ -210,10 +224,11 @@ def check_can_listen(host: str, port: int) -> None:
 def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
                on_ready: Callable[[int], Any] | None = None) -> int:
     """Run in the foreground until SIGTERM/SIGINT; returns the exit status."""
-    daemon = Daemon(config)
     if bundle is not None:
         # A busy port would only be found after the bundle became current: look first.
         check_can_listen(config.http.host, config.http.port)
+    daemon = Daemon(config)
+    if bundle is not None:
         artifacts = daemon.install(bundle)
         log.info("installed %s v%d from %s", artifacts.name, artifacts.version, bundle)
 

@@ -31,6 +31,7 @@ an error, never "no model", so a damaged store is reported instead of silently s
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ import shutil
 import stat
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -362,9 +364,19 @@ class ModelStore:
 
     # -- internals ------------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Let go of the state directory (another process may open it then)."""
+        self._release()
+
     def _open(self) -> None:
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(
+                "cannot create the model store", path=self.state_dir, reason=exc.strerror
+            ) from exc
+        self._release = weakref.finalize(self, _unlock_state_dir, _lock_state_dir(self.state_dir))
+        try:
             fresh = not self._models_dir.exists() and not _exists(self._pointer_path)
             if fresh:
                 # The pointer first: a store whose models/ exists has written one.
@@ -380,6 +392,12 @@ class ModelStore:
         self._remove_leftovers()
 
     def _remove_leftovers(self) -> None:
+        try:
+            self._remove_leftovers_now()
+        except StoreError as exc:  # a read-only disk (remounted after errors) can still serve
+            log.warning("could not remove what an interrupted operation left behind: %s", exc)
+
+    def _remove_leftovers_now(self) -> None:
         for entry in _scan(self.state_dir):
             if _POINTER_TEMP.fullmatch(entry.name):
                 log.info("removing an unfinished pointer write: %s", entry.path)
@@ -513,7 +531,7 @@ class ModelStore:
             version=ref.version,
             directory=directory,
             manifest=manifest,
-            engine_cache_dir=self._engine_dir(ref, create=True),
+            engine_cache_dir=self._engine_dir(ref, create=False),  # made by the TensorRT cache
         )
 
     def _check_free_space(self, manifest: dict[str, Any]) -> None:
@@ -566,6 +584,60 @@ class ModelStore:
 
 # --------------------------------------------------------------------------------------------------
 # Helpers
+
+
+# One lock per state directory and process: a second daemon (or a control command) on the same
+# directory is refused instead of racing this one's installs and clean-ups. Stores opened twice
+# in one process share it.
+LOCK_FILE = "lock"
+_held: dict[str, list[int]] = {}  # real path -> [fd, users]
+_held_guard = threading.Lock()
+
+
+def _lock_state_dir(state_dir: Path) -> str:
+    key = os.path.realpath(state_dir)
+    path = os.path.join(key, LOCK_FILE)
+    with _held_guard:
+        if key in _held:
+            _held[key][1] += 1
+            return key
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            writable = True
+        except OSError:
+            try:  # a read-only disk: lock what is there, write nothing
+                fd, writable = os.open(path, os.O_RDONLY), False
+            except OSError as exc:
+                log.warning("cannot lock the state directory (%s); not guarding it", exc.strerror)
+                _held[key] = [-1, 1]
+                return key
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            if isinstance(exc, BlockingIOError):
+                raise StoreError("the state directory is in use by another edge-agent process",
+                                 path=key, pid=holder) from None
+            raise StoreError("cannot lock the state directory", path=key,
+                             reason=exc.strerror) from None
+        if writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held[key] = [fd, 1]
+    return key
+
+
+def _unlock_state_dir(key: str) -> None:
+    with _held_guard:
+        entry = _held.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _held[key]
+            if entry[0] >= 0:
+                os.close(entry[0])  # releases the flock
 
 
 def _ref(name: object, version: object) -> ModelRef:

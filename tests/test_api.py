@@ -511,6 +511,10 @@ def test_shutdown_drains_in_flight_requests(model_path: Path) -> None:
                                                     running.loop)
         threading.Event().wait(0.2)
         assert not stopping.done()  # waits for the requests it holds
+        import socket
+
+        with pytest.raises(ConnectionRefusedError):  # the listener closed first
+            socket.create_connection(running.url.split(":"), timeout=5).close()
         gated.gate.set()
         stopping.result(10)
         running.stopped = True

@@ -258,3 +258,22 @@ def test_serve_bundle_on_a_busy_port_installs_nothing(tmp_path: Path,
     assert "cannot listen for HTTP" in result.stderr, result.stderr
     models = state / "models"
     assert not models.exists() or not any(models.iterdir())  # nothing installed or made current  # the bundle did not become current
+
+
+def test_installing_keeps_only_keep_versions_on_disk(tmp_path: Path,
+                                                     signed: tuple[Path, Path, Any]) -> None:
+    from agent.config import load_config
+    from agent.daemon import Daemon
+
+    _, public_key, key = signed
+    config = load_config(None, env={}, overrides={
+        "state_dir": tmp_path / "state", "trust.public_keys": [public_key],
+        "store.keep_versions": 2})
+    daemon = Daemon(config)
+    try:
+        for version in (1, 2, 3, 4):
+            bundle, _ = make_bundle(tmp_path, version=version, key=key)
+            daemon.install(bundle)
+        assert daemon.store.versions("tiny") == [3, 4]  # current and previous
+    finally:
+        daemon.close()

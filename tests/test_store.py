@@ -136,7 +136,7 @@ def test_install_activate_current(state_dir: Path, store: ModelStore, bundles: B
     directory = state_dir / "models" / MODEL_NAME / "3"
     assert (installed.name, installed.version, installed.directory) == (MODEL_NAME, 3, directory)
     assert installed.engine_cache_dir == state_dir / "engines" / MODEL_NAME / "3"
-    assert installed.engine_cache_dir.is_dir()
+    assert not installed.engine_cache_dir.exists()  # made when TensorRT first caches a plan
     assert sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()) == [
         ENGINE_MEMBER, "manifest.json", "manifest.sig", "model.onnx",
     ]
@@ -270,7 +270,7 @@ def test_install_drops_a_stale_engine_cache(state_dir: Path, store: ModelStore, 
     (stale / f"{FINGERPRINT}.plan").write_bytes(b"old plan")
     installed = store.install(bundles.make(3))
     assert installed.engine_cache_dir == stale
-    assert list(stale.iterdir()) == []
+    assert not stale.exists()
 
 
 def test_install_refuses_when_the_disk_is_too_full(
@@ -569,3 +569,47 @@ def test_activate_repairs_a_corrupt_pointer(state_dir: Path, store: ModelStore, 
     current = store.current()
     assert current is not None and current.version == 1
     assert store.previous() is None
+
+
+# -- found by probing the daemon: two processes, a read-only disk ------------------------------
+
+
+def test_a_second_process_cannot_open_a_store_in_use(state_dir: Path, store: ModelStore) -> None:
+    import subprocess
+    import sys
+
+    probe = ("import sys; from agent.store import ModelStore; from agent.errors import StoreError\n"
+             "try:\n    ModelStore(sys.argv[1], trusted_keys=[])\n"
+             "except StoreError as exc:\n    print(exc); sys.exit(3)\n")
+    refused = subprocess.run([sys.executable, "-c", probe, str(state_dir)], capture_output=True,
+                             text=True, timeout=60, check=False)
+    assert refused.returncode == 3, refused.stderr
+    assert "in use by another edge-agent process" in refused.stdout
+    assert f"pid={os.getpid()}" in refused.stdout
+    again = ModelStore(state_dir, trusted_keys=[])  # the same process may open it again
+    again.close()
+    store.close()
+    allowed = subprocess.run([sys.executable, "-c", probe, str(state_dir)], capture_output=True,
+                             text=True, timeout=60, check=False)
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+
+
+def test_leftovers_that_cannot_be_removed_do_not_stop_the_store(
+        state_dir: Path, store: ModelStore, bundles: Bundles,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A disk remounted read-only after errors still serves its intact current version, even
+    with what a crash left behind."""
+    install_versions(store, bundles, 1)
+    store.activate(MODEL_NAME, 1)
+    store.close()
+    leftover = state_dir / "models" / MODEL_NAME / ".2.extract-crashed"
+    leftover.mkdir()
+
+    def read_only(path: Path) -> None:
+        raise StoreError("cannot remove from the store", path=path, reason="Read-only file system")
+
+    monkeypatch.setattr(ModelStore, "_remove_tree", staticmethod(read_only))
+    reopened = ModelStore(state_dir, trusted_keys=[bundles.key.public_key()])
+    assert reopened.load(MODEL_NAME, 1).version == 1
+    assert leftover.exists()
+    assert "could not remove what an interrupted operation left behind" in caplog.text

@@ -93,6 +93,7 @@ class InferenceServer:
         self.shm = SystemSharedMemory(shm_root)
         self._access_log = access_log
         self._max_body_bytes = max_body_bytes
+        self._stopping = False
         self._runner: web.AppRunner | None = None
         self.app = web.Application(client_max_size=max_body_bytes,
                                    middlewares=[self._errors, self._auth])
@@ -107,8 +108,12 @@ class InferenceServer:
             server_log.addFilter(_client_faults)
         # handler_cancellation: a client that goes away cancels its handler, and with it its
         # queued request (the batcher drops it), instead of holding a queue place and compute.
+        # shutdown_timeout and lingering_time bound how long stop() waits for a client that
+        # stalls mid-upload or keeps sending on a connection that is closing (60 s and 10 s by
+        # default: past systemd's stop timeout together with the drain).
         self._runner = web.AppRunner(self.app, access_log=log if self._access_log else None,
-                                     handle_signals=False, handler_cancellation=True)
+                                     handle_signals=False, handler_cancellation=True,
+                                     shutdown_timeout=5.0, lingering_time=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         try:
@@ -125,8 +130,13 @@ class InferenceServer:
         return self.port
 
     async def stop(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
-        """Stop: models stop taking requests (503), queued and running ones finish (with
-        ``drain``), then the listener closes."""
+        """Stop: the listener closes (new connections are refused), models stop taking requests
+        (503, and the connection closes), queued and running ones finish (with ``drain``), then
+        the open connections close."""
+        self._stopping = True
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
         await asyncio.gather(*(service.stop(drain=drain, timeout_s=timeout_s)
                                for service in list(self.services.values())))
         if self._runner is not None:
@@ -144,7 +154,10 @@ class InferenceServer:
             status = _status_of(exc)
             if status >= 500 and status != 503:
                 log.error("request %s %s failed: %s", request.method, request.path, exc)
-            return _error(status, str(exc))
+            response = _error(status, str(exc))
+            if self._stopping:
+                response.force_close()  # a client on this connection reconnects elsewhere
+            return response
         except web.HTTPRequestEntityTooLarge as exc:
             return _error(413, f"request body too large: {exc.text}")
         except web.HTTPException as exc:
