@@ -245,7 +245,8 @@ class ModelStore:
         The bundle is verified completely first (signature, then every artifact hash, then
         compatibility with this agent), then extracted atomically. Installing a version that is
         already installed with the identical manifest changes nothing and returns the installed
-        version, verified.
+        version, verified; one whose installed copy fails verification (a file damaged on disk)
+        is replaced from the bundle.
 
         Returns:
             The installed version.
@@ -263,8 +264,12 @@ class ModelStore:
         with self._lock:
             directory = self._version_dir(ref)
             if directory.exists() or directory.is_symlink():
-                installed_bytes = _read_small(directory / MANIFEST_MEMBER)
-                if installed_bytes != bundle.read_member(MANIFEST_MEMBER):
+                try:
+                    installed_bytes: bytes | None = _read_small(directory / MANIFEST_MEMBER)
+                except StoreError:
+                    installed_bytes = None  # damaged: judged by load() below
+                if installed_bytes is not None and installed_bytes != bundle.read_member(
+                        MANIFEST_MEMBER):
                     raise StoreError(
                         "this version is already installed with a different manifest; versions "
                         "are immutable, so publish the change as a new version",
@@ -272,8 +277,16 @@ class ModelStore:
                         version=ref.version,
                         path=directory,
                     )
-                log.info("%s is already installed", ref)
-                return self.load(ref.name, ref.version)
+                try:
+                    installed = self.load(ref.name, ref.version)
+                except (StoreError, BundleError, SignatureError) as exc:
+                    # The disk damaged the installed copy; the verified bundle repairs it.
+                    log.warning("the installed copy of %s is damaged (%s); replacing it from "
+                                "the bundle", ref, exc)
+                    self._delete_version(ref)
+                else:
+                    log.info("%s is already installed", ref)
+                    return installed
             self._check_free_space(manifest)
             # A cache left by an earlier install of this name and version must not outlive it.
             self._remove_tree(self._engine_dir(ref, create=False))

@@ -131,6 +131,14 @@ def test_serve_refuses_a_model_corrupted_on_disk(tmp_path: Path,
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("edge-agent: error:")
     assert "model.onnx" in result.stderr
+    # Installing the same signed bundle again repairs the damaged copy.
+    daemon = Daemon(config)
+    try:
+        repaired = daemon.install(bundle)
+        assert daemon.store.load(repaired.name, repaired.version).version == repaired.version
+        assert (repaired.directory / "model.onnx").read_bytes() != bytes(data)
+    finally:
+        daemon.close()
 
 
 def test_serve_with_an_empty_store_says_how_to_install(tmp_path: Path) -> None:
