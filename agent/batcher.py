@@ -360,27 +360,28 @@ class Batcher:
                 due = oldest.arrival + self.policy.max_queue_delay_us / 1e6
                 if full or now >= due or not self._accepting:
                     self._launch(idle, batch)
-                    continue
-                preferred = self._preferred_prefix(batch)
-                if preferred:
+                elif preferred := self._preferred_prefix(batch):
                     self._launch(idle, preferred)
-                    continue
-                if self.policy.adaptive_delay and (self._expected_arrivals(due - now) < 1.0
-                                                   or self._found_alone >= 0.85):
+                elif self._waiting_is_futile(batch, now, due):
                     self._launch(idle, batch)
-                    continue
-                # Waiting out the delay would time a request out on an idle instance.
-                deadlines = [r.deadline for r in batch if r.deadline is not None]
-                if deadlines and min(deadlines) - self._counters.compute_ewma_s <= due:
-                    self._launch(idle, batch)
-                    continue
-                return self._until_next_deadline(due - now, now)
+                else:
+                    return self._until_next_deadline(due - now, now)
+                continue
             spare = next((i for i in self._instances
                           if not i.retired and i.outstanding < self._buffer_sets), None)
             if spare is not None and full:
                 self._launch(spare, batch)
                 continue
             return self._until_next_deadline(None, now)
+
+    def _waiting_is_futile(self, batch: list[_Request], now: float, due: float) -> bool:
+        """Whether waiting until ``due`` for company would only add latency (adaptive_delay: no
+        company expected, or a lone client) or time a request out on an idle instance."""
+        if self.policy.adaptive_delay and (self._expected_arrivals(due - now) < 1.0
+                                           or self._found_alone >= 0.85):
+            return True
+        deadlines = [request.deadline for request in batch if request.deadline is not None]
+        return bool(deadlines) and min(deadlines) - self._counters.compute_ewma_s <= due
 
     def _expected_arrivals(self, window_s: float) -> float:
         """Requests expected within ``window_s``: at the recent mean arrival interval, or at the

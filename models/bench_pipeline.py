@@ -17,7 +17,6 @@ both numbers share the machine's state.
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import tempfile
@@ -29,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from agent.errors import ConfigError
-from agent.fsutil import atomic_write_text
 from models.ort import int8_kernels
 from models.timing import keep_large_allocations, time_call
 
@@ -147,7 +145,7 @@ def int8_matmul(size: int, threads: int, depth: int = 8) -> tuple[Callable[[], A
     return (lambda: session.run(None, {"a": a})), depth * size**3
 
 
-def run(config: PipelineBenchConfig, json_path: Path | None = None) -> dict[str, Any]:
+def run(config: PipelineBenchConfig) -> dict[str, Any]:
     import torch
 
     from models.checkpoints import load_example
@@ -218,8 +216,6 @@ def run(config: PipelineBenchConfig, json_path: Path | None = None) -> dict[str,
     results, matmul, steal = _measure(variants, config)
     summary = _summarise(results, variants, matmul, config, prune_report)
     summary["cpu_steal_fraction"] = steal
-    if json_path is not None:
-        atomic_write_text(json_path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
 
 

@@ -92,18 +92,13 @@ def write_keypair(private_key_path: Path, *, overwrite: bool = False) -> Ed25519
         if not overwrite and (path.exists() or path.is_symlink()):
             raise KeyFileError("key file already exists", path=path)
     private_key = generate_private_key()
-    private_bytes = private_key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption())
-    public_bytes = private_key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     # Both files are written to temporaries first and renamed at the end (the public key's
     # first): a failure anywhere before the renames leaves the old pair as it was.
     try:
         with atomic_output_file(private_key_path, mode=PRIVATE_KEY_FILE_MODE) as private_tmp:
-            private_tmp.write_bytes(private_bytes)
+            private_tmp.write_bytes(_private_pem(private_key))
             with atomic_output_file(public_path, mode=PUBLIC_KEY_FILE_MODE) as public_tmp:
-                public_tmp.write_bytes(public_bytes)
+                public_tmp.write_bytes(_public_pem(private_key.public_key()))
     except OSError as exc:
         raise KeyFileError("cannot write the key pair", path=private_key_path,
                            reason=exc.strerror or str(exc)) from exc
@@ -121,12 +116,19 @@ def write_private_key(
     Raises:
         KeyFileError: ``path`` exists and ``overwrite`` is false, or it cannot be written.
     """
-    data = private_key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    _write_key_file(Path(path), data, mode=PRIVATE_KEY_FILE_MODE, overwrite=overwrite)
+    _write_key_file(Path(path), _private_pem(private_key), mode=PRIVATE_KEY_FILE_MODE,
+                    overwrite=overwrite)
+
+
+def _private_pem(private_key: Ed25519PrivateKey) -> bytes:
+    return private_key.private_bytes(serialization.Encoding.PEM,
+                                     serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption())
+
+
+def _public_pem(public_key: Ed25519PublicKey) -> bytes:
+    return public_key.public_bytes(serialization.Encoding.PEM,
+                                   serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def write_public_key(path: Path, public_key: Ed25519PublicKey, *, overwrite: bool = False) -> None:
@@ -135,10 +137,8 @@ def write_public_key(path: Path, public_key: Ed25519PublicKey, *, overwrite: boo
     Raises:
         KeyFileError: ``path`` exists and ``overwrite`` is false, or it cannot be written.
     """
-    data = public_key.public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    _write_key_file(Path(path), data, mode=PUBLIC_KEY_FILE_MODE, overwrite=overwrite)
+    _write_key_file(Path(path), _public_pem(public_key), mode=PUBLIC_KEY_FILE_MODE,
+                    overwrite=overwrite)
 
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
@@ -180,11 +180,9 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     """
     path = Path(path)
     data = _read_key_file(path)
-    label = _pem_label(path, data)
-    private = [found.decode("ascii") for found in _PEM_LABEL.findall(data)
-               if b"PRIVATE" in found]
-    if private:
-        label = private[0]
+    # Any PRIVATE block counts, not only the first: a private key may follow the public one.
+    label = next((found.decode("ascii") for found in _PEM_LABEL.findall(data)
+                  if b"PRIVATE" in found), None) or _pem_label(path, data)
     if "PRIVATE" in label:
         # Refuse rather than derive the public half: a private key handed out as a "trusted key"
         # has most likely been copied somewhere it should not be.

@@ -80,7 +80,7 @@ def _json_object(text: bytes, *, binary_follows: bool = False) -> dict[str, Any]
     try:
         value = parse_json(text)
     except RequestError as exc:
-        if binary_follows or not text[:1] == b"{":
+        if binary_follows or text[:1] != b"{":
             raise
         # A binary body sent without its header length reads as JSON followed by junk.
         raise RequestError(f"{exc.message}; a body with binary tensors needs the "
@@ -270,9 +270,10 @@ def _json_data(data: Any, info: TensorInfo) -> np.ndarray:
         try:
             with np.errstate(over="ignore"):
                 converted = values.astype(np.float64).astype(dtype)
+            finite = bool(np.isfinite(converted).all())
         except OverflowError:  # an integer beyond any float
-            converted = np.array([np.inf])
-        if not np.isfinite(converted).all():
+            finite = False
+        if not finite:
             raise RequestError(f"'data' value out of range for {info.datatype}", input=name,
                                largest=float(np.finfo(dtype).max))
         return converted.reshape(nested.shape)

@@ -159,12 +159,13 @@ class SystemSharedMemory:
         if offset + byte_size > region.byte_size:
             raise RequestError("tensor does not fit in the shared memory region", region=name,
                                needed=offset + byte_size, found=region.byte_size)
-        return region, region.offset + offset
+        start = region.offset + offset
+        region.check_size(start + byte_size)
+        return region, start
 
     def check(self, name: str, offset: int, byte_size: int) -> None:
         """Refuse a tensor of ``byte_size`` at ``offset`` that the region cannot hold now."""
-        region, start = self._span(name, offset, byte_size)
-        region.check_size(start + byte_size)
+        self._span(name, offset, byte_size)
 
     def array(self, name: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]
               ) -> SharedMemoryArray:
@@ -172,12 +173,10 @@ class SystemSharedMemory:
         dtype = np.dtype(dtype)
         byte_size = math.prod(shape) * dtype.itemsize
         region, start = self._span(name, offset, byte_size)
-        region.check_size(start + byte_size)
         return SharedMemoryArray(region, start, dtype, shape)
 
     def write(self, name: str, offset: int, data: np.ndarray) -> None:
         region, start = self._span(name, offset, data.nbytes)
-        region.check_size(start + data.nbytes)
         view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
         done = 0
         while done < len(view):
