@@ -57,13 +57,25 @@ def find_or_build_bundle(out_dir: Path) -> tuple[Path, Path]:
     return find_or_build_bundle(out_dir)
 
 
-def held_out_digits(manifest: dict[str, Any], count: int) -> tuple[np.ndarray, np.ndarray]:
-    """Real images for the demo: the digits set's held-out split at the bundle's input size."""
+def held_out_digits(manifest: dict[str, Any], count: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Real images for the demo: the digits set's held-out split at the bundle's input size, and
+    whether they are the whole split (what the bundle's accuracy report was measured on)."""
     from models.data import load_digits_splits
 
     resize = (manifest.get("preprocessing") or {}).get("resize") or [32, 32]
     _, held_out = load_digits_splits(int(resize[0]))
-    return held_out.images[:count], held_out.labels[:count]
+    return held_out.images[:count], held_out.labels[:count], count >= len(held_out.labels)
+
+
+def expected_accuracy(manifest: dict[str, Any], backend: str) -> str:
+    """The bundle report's top-1 for what ``backend`` runs, to print beside the demo's own."""
+    accuracy = manifest.get("accuracy") or {}
+    if accuracy.get("metric") != "top1":
+        return ""
+    if backend == "onnxruntime" and "int8_onnxruntime_served" in accuracy:
+        return (f"; the bundle's report: {accuracy['int8_onnxruntime_served']:.2f}% as ONNX "
+                f"Runtime serves it, {accuracy['int8']:.2f}% as TensorRT runs it")
+    return f"; the bundle's report: {accuracy['int8']:.2f}%" if "int8" in accuracy else ""
 
 
 async def _infer(session: Any, url: str, body: bytes, header_length: int) -> tuple[dict, float]:
@@ -167,6 +179,7 @@ def _percentiles_ms(latencies: list[float]) -> list[float]:
 
 
 def run_demo(options: DemoOptions) -> int:
+    from agent.backends import resolve_backend_name
     from agent.config import load_config
     from agent.daemon import Daemon
 
@@ -181,7 +194,9 @@ def run_demo(options: DemoOptions) -> int:
     daemon = Daemon(config)
     artifacts = daemon.install(bundle)
     print(f"installed {artifacts.name} v{artifacts.version} from {bundle} into {state_dir}")
-    images, labels = held_out_digits(dict(artifacts.manifest), options.requests)
+    images, labels, whole_split = held_out_digits(dict(artifacts.manifest), options.requests)
+    expected = (expected_accuracy(dict(artifacts.manifest), resolve_backend_name(options.backend))
+                if whole_split else "")
     input_name = artifacts.manifest["inputs"][0]["name"]
 
     async def main() -> dict[str, Any]:
@@ -212,7 +227,7 @@ def run_demo(options: DemoOptions) -> int:
     print("\nfirst predictions (label -> predicted):",
           " ".join(f"{label}->{pred}" for label, pred in zip(labels[:16], predictions[:16])))
     print(f"accuracy      {correct}/{len(labels)} = {100.0 * correct / len(labels):.2f}% "
-          f"(held-out digits, {options.concurrency} concurrent clients)")
+          f"(held-out digits, {options.concurrency} concurrent clients{expected})")
     print(f"throughput    {len(labels) / result['wall_s']:.1f} requests/s")
     p50, p90, p99 = _percentiles_ms(latencies)
     print(f"latency       p50 {p50:.1f} ms, p90 {p90:.1f} ms, p99 {p99:.1f} ms")

@@ -19,9 +19,12 @@ reading a folded tensor gets the same UINT8 quantization on its output (one quan
 its consumers), so ONNX Runtime pools the 8-bit values in place instead of a float round trip with
 layout transposes around it (ResNet-18 INT8, 224x224, batch 8: 270 -> 397 img/s). On ResNet-18
 (pruned, INT8, 224x224, 2 threads) all 17 ReLUs fold and the INT8 model runs 25-40% faster, with
-logits within INT8 noise of the original and the same predictions. TensorRT fuses these ReLUs
-itself and never sees this rewrite. Accuracy reports (``models.quantize.model_outputs``) run the
-model as the bundle carries it, without the rewrite.
+logits within INT8 noise of the original (mean absolute difference 1.4% of the mean logit). The
+finer step is not free of consequences: it moves a few predictions (the demo bundle: 2 of 1,797
+digits, both in the held-out split, 98.89 -> 98.33 top-1). TensorRT fuses these ReLUs itself and
+never sees this rewrite, so accuracy reports (``models.quantize.model_outputs``) run the model as
+the bundle carries it; the build report adds ``int8_onnxruntime_served``, the top-1 of the
+rewritten model, which is what a CPU daemon answers.
 """
 
 from __future__ import annotations

@@ -91,6 +91,14 @@ def test_build_example_makes_a_verified_bundle_and_report(tmp_path, keys, capsys
     _, held_out = load_digits_splits(16)
     accuracy = Evaluator({"input": held_out.images}, held_out.labels)((extracted / "model.onnx").read_bytes())
     assert accuracy == pytest.approx(report["accuracy"]["int8"], abs=1e-3)
+    # ... and the report's "served" figure is what the daemon's ONNX Runtime session answers.
+    from models.ort import create_session
+
+    session = create_session(extracted / "model.onnx")  # as agent/backends/onnxruntime.py does
+    served = session.run(None, {"input": held_out.images})[0].argmax(axis=1)
+    assert 100.0 * float((served == held_out.labels).mean()) == pytest.approx(
+        report["accuracy"]["int8_onnxruntime_served"], abs=1e-3)
+    assert "INT8, served (CPU)" in summary
 
     # A second build gets the next version.
     assert main(["build", "--model", MODEL, "--key", str(keys), "--out", str(out), *FAST]) == 0
