@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from agent.backends import (
 from agent.backends.base import Backend, frame_shape
 from agent.batcher import BatchPolicy
 from agent.config import AgentConfig
-from agent.errors import AgentError, StoreError
+from agent.errors import AgentError, StopRequested, StoreError
 from agent.metrics import ServingMetrics
 from agent.serving import ModelService
 from agent.store import ModelStore
@@ -61,10 +62,12 @@ def batch_policy(config: AgentConfig, artifacts: ModelArtifacts) -> BatchPolicy:
     )
 
 
-def backend_options(config: AgentConfig, max_batch: int) -> BackendOptions:
+def backend_options(config: AgentConfig, max_batch: int,
+                    stop_requested: Callable[[], bool] | None = None) -> BackendOptions:
     serving, trt = config.serving, config.tensorrt
     return BackendOptions(
         max_batch_size=max_batch,
+        stop_requested=stop_requested,
         threads=serving.threads_per_instance(os.cpu_count() or 1),
         extra={
             # TensorRT engine builds (the names of EngineBuildConfig's fields).
@@ -106,16 +109,20 @@ def warm_up(backend: Backend, artifacts: ModelArtifacts, batches: int, batch_siz
     return time.perf_counter() - started
 
 
-def start_backends(config: AgentConfig, artifacts: ModelArtifacts,
-                   policy: BatchPolicy) -> list[Backend]:
+def start_backends(config: AgentConfig, artifacts: ModelArtifacts, policy: BatchPolicy,
+                   stop_requested: Callable[[], bool] | None = None) -> list[Backend]:
     """Create, activate and warm up ``serving.instances`` backends; on any failure free the ones
-    already made and re-raise."""
+    already made and re-raise. ``stop_requested`` ends the start early (``StopRequested``):
+    checked before each instance and, by the TensorRT backend, during an engine build."""
     name = resolve_backend_name(config.serving.backend)
     cls = backend_class(name)
-    options = backend_options(config, policy.max_batch_size)
+    options = backend_options(config, policy.max_batch_size, stop_requested)
     backends: list[Backend] = []
     try:
         for _ in range(config.serving.instances):
+            if stop_requested is not None and stop_requested():
+                raise StopRequested("stopped while starting the model's instances",
+                                    model=artifacts.name, started=len(backends))
             backend = cls(artifacts, options)
             backends.append(backend)
             backend.activate()
@@ -143,6 +150,12 @@ class Daemon:
                                 keep_versions=self.config.store.keep_versions)
         self.services: dict[str, ModelService] = {}
         self.server: InferenceServer | None = None
+        self._stop_requested = threading.Event()
+
+    def request_stop(self) -> None:
+        """Ask work in progress to end early: a start that is still building or loading the
+        model's instances raises ``StopRequested`` instead of finishing (thread-safe)."""
+        self._stop_requested.set()
 
     def install(self, bundle: Path) -> ModelArtifacts:
         """Verify and install a bundle and make it current (``serve --bundle``). Versions
@@ -174,7 +187,8 @@ class Daemon:
         artifacts = self.store.load(current.name, current.version)
         policy = batch_policy(self.config, artifacts)
         loop = asyncio.get_running_loop()
-        backends = await loop.run_in_executor(None, start_backends, self.config, artifacts, policy)
+        backends = await loop.run_in_executor(None, start_backends, self.config, artifacts, policy,
+                                              self._stop_requested.is_set)
         metrics = ServingMetrics(artifacts.name)
         service = ModelService(artifacts.name, artifacts.version, backends, policy,
                                metrics=metrics)
@@ -235,9 +249,19 @@ def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            stop.set()
+            daemon.request_stop()  # a start still under way (an engine build) ends early
+
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        port = await daemon.start()
+            loop.add_signal_handler(signum, on_signal)
+        try:
+            port = await daemon.start()
+        except StopRequested as exc:
+            log.info("stopped while starting: %s", exc)
+            daemon.close()
+            return
         if on_ready is not None:
             on_ready(port)
         await stop.wait()

@@ -74,6 +74,11 @@ class EngineError(AgentError):
     """A TensorRT engine cannot be built or loaded."""
 
 
+class StopRequested(AgentError):
+    """Long work (an engine build, starting the model's instances) ended early because the
+    process was asked to stop."""
+
+
 class StoreError(AgentError):
     """The on-device model store is inconsistent or cannot be written."""
 

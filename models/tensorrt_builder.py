@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent.deps import require
-from agent.errors import ConfigError, EngineError
+from agent.errors import ConfigError, EngineError, StopRequested
 from agent.fsutil import atomic_write_bytes
 from models.fingerprint import DeviceFingerprint, cuda_compute_capability, read_l4t_release
 
@@ -263,6 +264,8 @@ class TensorRTFeatures:
     weak_typing: bool
     # 8.6+: IBuilderConfig.builder_optimization_level.
     optimization_level: bool
+    # 10.0+: IBuilderConfig.progress_monitor (progress reports, and a build that can be stopped).
+    progress_monitor: bool = False
 
     @classmethod
     def from_version(cls, text: str) -> TensorRTFeatures:
@@ -285,6 +288,7 @@ class TensorRTFeatures:
             needs_explicit_batch=version[0] < 10,
             weak_typing=version[0] < 11,
             optimization_level=version >= (8, 6, 0),
+            progress_monitor=version >= (10, 0, 0),
         )
 
 
@@ -364,6 +368,83 @@ def _make_logger(capture: LogCapture) -> trt.ILogger:
             capture.add(severities.get(severity, "VERBOSE"), msg)
 
     return _CapturingLogger()
+
+
+class EngineBuildCancelled(EngineError, StopRequested):
+    """The build was stopped on request (the daemon is shutting down) before it finished."""
+
+
+class _BuildProgress:
+    """What a build's progress monitor saw: whether it asked TensorRT to stop, and an interrupt
+    (Ctrl-C, or SIGTERM turned into one by the CLI) that arrived inside a callback."""
+
+    def __init__(self, stop_requested: Callable[[], bool] | None) -> None:
+        self.stop_requested = stop_requested
+        self.cancelled = threading.Event()
+        self.interrupt: BaseException | None = None
+        self.phase_started: dict[str, tuple[float, bool]] = {}  # name -> (start, top-level)
+
+    def guarded(self, callback: Callable[[], bool]) -> bool:
+        """Run a callback for TensorRT: nothing may escape into its C++ caller (declared
+        noexcept, it would abort the process). A failure is logged and the build goes on; an
+        interrupt stops the build and is raised again once TensorRT has returned."""
+        try:
+            return callback()
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.exception("engine build: a progress callback failed; building on")
+            return True
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, SystemExit
+            if self.interrupt is None:
+                self.interrupt = exc
+            self.cancelled.set()
+            return False
+
+    def should_go_on(self) -> bool:
+        if self.cancelled.is_set():
+            return False
+        if self.stop_requested is not None and self.stop_requested():
+            log.info("engine build: stop requested, asking TensorRT to end the build")
+            self.cancelled.set()
+            return False
+        return True
+
+    def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> bool:
+        top = parent_phase is None
+        self.phase_started[phase_name] = (time.monotonic(), top)
+        log.log(logging.INFO if top else logging.DEBUG, "engine build: %s (%d step(s))",
+                phase_name, num_steps)
+        return True
+
+    def phase_finish(self, phase_name: str) -> bool:
+        started = self.phase_started.pop(phase_name, None)
+        if started is not None:
+            log.log(logging.INFO if started[1] else logging.DEBUG, "engine build: %s done in %.1f s",
+                    phase_name, time.monotonic() - started[0])
+        return True
+
+
+def _make_progress_monitor(progress: _BuildProgress) -> trt.IProgressMonitor:
+    """A TensorRT progress monitor that logs the build's phases (top-level ones at INFO, with how
+    long they took) and stops the build when ``progress.stop_requested`` says so. TensorRT calls
+    it from its own threads and from the building one; every call goes through
+    ``progress.guarded``."""
+    import tensorrt as trt
+
+    class _Monitor(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            # pybind11 requires the base __init__ when a Python class overrides the interface.
+            trt.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name: str, parent_phase: str, num_steps: int) -> None:
+            progress.guarded(lambda: progress.phase_start(phase_name, parent_phase, num_steps))
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            return progress.guarded(progress.should_go_on)
+
+        def phase_finish(self, phase_name: str) -> None:
+            progress.guarded(lambda: progress.phase_finish(phase_name))
+
+    return _Monitor()
 
 
 def _dims(dims: trt.Dims) -> list[int]:
@@ -515,6 +596,7 @@ def build_engine(
     *,
     compute_capability: Callable[[], str] | None = None,
     root: Path = Path("/"),
+    stop_requested: Callable[[], bool] | None = None,
 ) -> EngineBuildResult:
     """Build a serialized TensorRT engine from a QDQ INT8 ONNX model.
 
@@ -524,6 +606,9 @@ def build_engine(
         compute_capability: Returns the GPU's compute capability (``"8.7"``); the default asks the
             CUDA driver for device 0.
         root: Filesystem root for ``etc/nv_tegra_release`` (a temporary tree in tests).
+        stop_requested: Polled after each step of the build (TensorRT 10.0+, through
+            ``IProgressMonitor``); when it returns True the build ends early with
+            :class:`EngineBuildCancelled`. TensorRT 8.5 cannot stop a build: it runs to the end.
 
     Returns:
         The plan with its fingerprint, the updated timing cache and warnings worth showing.
@@ -533,6 +618,7 @@ def build_engine(
         EngineError: the file is unreadable, the parser rejects the model (errors name the nodes),
             the configuration does not fit the model or device, or the build fails (with
             TensorRT's own messages).
+        EngineBuildCancelled: ``stop_requested`` stopped the build.
     """
     data = _read_onnx(onnx_path)
     _import_tensorrt()
@@ -641,9 +727,23 @@ def build_engine(
             messages=capture.of("ERROR", "INTERNAL_ERROR"),
         )
 
+    progress = _BuildProgress(stop_requested)
+    if features.progress_monitor:
+        # Kept referenced until the build returns: TensorRT holds only a borrowed pointer.
+        monitor = _make_progress_monitor(progress)
+        build_config.progress_monitor = monitor
+    elif stop_requested is not None:
+        log.debug("TensorRT %s has no progress monitor: this build cannot be stopped early",
+                  trt.__version__)
+
     started = time.monotonic()
     plan = builder.build_serialized_network(network, build_config)
     build_seconds = time.monotonic() - started
+    if progress.interrupt is not None:
+        raise progress.interrupt
+    if plan is None and progress.cancelled.is_set():
+        raise EngineBuildCancelled("engine build stopped on request", path=onnx_path,
+                                   after_s=round(build_seconds, 1))
     if plan is None:
         raise EngineError(
             "TensorRT could not build the engine",

@@ -28,7 +28,14 @@ ort = pytest.importorskip("onnxruntime")
 from agent.backends import backend_class  # noqa: E402
 from agent.backends.base import BackendOptions, ModelArtifacts  # noqa: E402
 from agent.backends.tensorrt import TensorRTBackend, engine_build_config  # noqa: E402
-from agent.errors import ConfigError, EngineError, InputError, InternalError, MissingDependencyError  # noqa: E402
+from agent.errors import (  # noqa: E402
+    ConfigError,
+    EngineError,
+    InputError,
+    InternalError,
+    MissingDependencyError,
+    StopRequested,
+)
 from models.fingerprint import DeviceFingerprint, read_l4t_release  # noqa: E402
 from models.tensorrt_builder import build_engine  # noqa: E402
 from tests.fakes.fake_tensorrt import (  # noqa: E402
@@ -337,6 +344,67 @@ def test_a_build_that_fails_is_an_engine_error_and_leaves_nothing(board: Board, 
     assert board.state.gpu.live_regions == 0 and board.state.gpu.open_streams == 0
     assert board.devices[0].closed
     assert not (artifacts.engine_cache_dir / f"{board.key}.plan").exists()
+
+
+def test_a_stop_request_ends_the_engine_build_and_leaves_nothing(board: Board,
+                                                                  artifacts: ModelArtifacts) -> None:
+    stop = threading.Event()
+    board.state.on_build_step = lambda step: stop.set() if step == 0 else None
+    backend = TensorRTBackend(artifacts, BackendOptions(stop_requested=stop.is_set),
+                              open_device=board.open_device, root=board.root)
+    with pytest.raises(StopRequested) as error:
+        backend.activate()
+    assert "stopped on request" in str(error.value)
+    assert board.state.builds == []
+    assert not backend.active
+    assert live_objects(board) == {}
+    assert board.state.gpu.live_regions == 0 and board.state.gpu.open_streams == 0
+    assert board.devices[0].closed
+    assert not (artifacts.engine_cache_dir / f"{board.key}.plan").exists()
+    # Started again without the request, it builds and caches the engine as usual.
+    board.state.on_build_step = None
+    with board.backend(artifacts) as again:
+        assert again.active
+    assert (artifacts.engine_cache_dir / f"{board.key}.plan").exists()
+
+
+def test_a_daemon_asked_to_stop_while_building_gives_up_the_start(
+        board: Board, artifacts: ModelArtifacts, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """SIGTERM during a first start's engine build (minutes on a board) ends the start within a
+    build step instead of after the build: the daemon's stop request reaches TensorRT."""
+    from agent import daemon as daemon_module
+    from agent.config import load_config
+
+    monkeypatch.setattr(TensorRTBackend, "__init__", _board_backend_init(board))
+    config = load_config(None, env={}, overrides={"state_dir": tmp_path / "state",
+                                                  "serving.backend": "tensorrt",
+                                                  "serving.instances": 2})
+    daemon = daemon_module.Daemon(config)
+    try:
+        board.state.on_build_step = lambda step: daemon.request_stop() if step == 0 else None
+        policy = daemon_module.batch_policy(config, artifacts)
+        with pytest.raises(StopRequested):
+            daemon_module.start_backends(config, artifacts, policy,
+                                         daemon._stop_requested.is_set)
+        assert board.state.builds == [] and live_objects(board) == {}
+        assert len(board.devices) == 1  # the second instance was never started
+        # With the request already made, not even the first instance starts.
+        with pytest.raises(StopRequested):
+            daemon_module.start_backends(config, artifacts, policy, lambda: True)
+        assert len(board.devices) == 1
+    finally:
+        daemon.close()
+
+
+def _board_backend_init(board: Board) -> Any:
+    original = TensorRTBackend.__init__
+
+    def init(self: TensorRTBackend, artifacts: ModelArtifacts, options: BackendOptions,
+             **_: Any) -> None:
+        original(self, artifacts, options, open_device=board.open_device, root=board.root)
+
+    return init
 
 
 # --- shapes ------------------------------------------------------------------------------------

@@ -285,3 +285,42 @@ def test_installing_keeps_only_keep_versions_on_disk(tmp_path: Path,
         assert daemon.store.versions("tiny") == [3, 4]  # current and previous
     finally:
         daemon.close()
+
+
+def test_sigterm_while_starting_ends_the_start_and_frees_the_store(
+        tmp_path: Path, signed: tuple[Path, Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM during a start (on a board: a TensorRT engine build of minutes) reaches the work
+    in progress: the start gives up, the daemon exits cleanly and lets go of its state
+    directory. The first start here sends itself SIGTERM and waits until the daemon's stop
+    request is visible to it, as an engine build polls it between steps."""
+    from agent import daemon as daemon_module
+    from agent.config import load_config
+    from agent.store import ModelStore
+
+    bundle, pubkey, _ = signed
+    real_start = daemon_module.start_backends
+    seen: list[bool] = []
+
+    def start_that_is_interrupted(config: Any, artifacts: Any, policy: Any,
+                                  stop_requested: Any = None) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not stop_requested() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(stop_requested())
+        return real_start(config, artifacts, policy, stop_requested)
+
+    monkeypatch.setattr(daemon_module, "start_backends", start_that_is_interrupted)
+    state_dir = tmp_path / "state"
+    config = load_config(None, env={}, overrides={"state_dir": state_dir, "http.port": 0,
+                                                  "trust.public_keys": [pubkey]})
+    ready: list[int] = []
+    assert daemon_module.run_daemon(config, bundle=bundle, on_ready=ready.append) == 0
+    assert seen == [True] and ready == []  # it never served
+    # The state directory is free again, and the installed model is intact.
+    store = ModelStore(state_dir, trusted_keys=config.trust.keys)
+    try:
+        current = store.current()
+        assert current is not None and store.load(current.name, current.version)
+    finally:
+        store.close()

@@ -285,6 +285,23 @@ def test_logger_subclass_must_call_the_base_constructor() -> None:
         trt.Builder(Forgetful())
 
 
+def test_progress_monitor_is_checked_like_tensorrts(model: Path) -> None:
+    trt = make_fake_tensorrt("10.3.0")
+    config = trt.Builder(trt.Logger()).create_builder_config()
+
+    class Forgetful(trt.IProgressMonitor):  # type: ignore[name-defined]
+        def __init__(self) -> None:
+            pass
+
+    with pytest.raises(TypeError):
+        config.progress_monitor = Forgetful()
+    with pytest.raises(TypeError):
+        config.progress_monitor = lambda *args: True
+    # An interface method left abstract fails when TensorRT calls it.
+    with pytest.raises(RuntimeError):
+        trt.IProgressMonitor().step_complete("phase", 0)
+
+
 def test_8x_parser_needs_an_explicit_batch_network(model: Path) -> None:
     trt = make_fake_tensorrt("8.5.2.2")
     _, network, parsed = _parsed_network(trt, model, flags=0)
@@ -301,6 +318,10 @@ def test_8_5_lacks_the_newer_apis(model: Path) -> None:
     config = trt.Builder(trt.Logger()).create_builder_config()
     with pytest.raises(AttributeError):
         config.builder_optimization_level = 3
+    assert not hasattr(trt, "IProgressMonitor")
+    assert not hasattr(make_fake_tensorrt("8.6.1.6").IBuilderConfig, "progress_monitor")
+    with pytest.raises(AttributeError):
+        config.progress_monitor = None
     assert not hasattr(trt.ParserError, "node_name")
     assert hasattr(make_fake_tensorrt("8.6.1.6").IBuilderConfig, "builder_optimization_level")
 

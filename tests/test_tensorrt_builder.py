@@ -25,6 +25,7 @@ from models.fingerprint import (  # noqa: E402
     read_l4t_release,
 )
 from models.tensorrt_builder import (  # noqa: E402
+    EngineBuildCancelled,
     EngineBuildConfig,
     EngineBuildResult,
     ShapeRange,
@@ -483,6 +484,94 @@ def test_build_failure_surfaces_tensorrts_messages(
     assert "could not build" in str(caught.value)
     assert caught.value.fields["messages"] == [state_of(fake).fail_build_with]
     assert not cache_path.exists()
+
+
+@pytest.mark.parametrize("version", ("10.3.0.30", "11.0.0.11"))
+def test_build_progress_is_logged_through_the_progress_monitor(
+    install_fake: Callable[[str], types.ModuleType], model: Path, tmp_path: Path, version: str,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = install_fake(version)
+    with caplog.at_level("INFO", logger="models.tensorrt_builder"):
+        result, _ = build(model, config(), tmp_path)
+    assert result.plan
+    calls = state_of(fake).progress_calls
+    assert calls[0] == ("start", "Building engine", None, 1)
+    assert ("finish", "Building engine") == calls[-1]
+    messages = [record.getMessage() for record in caplog.records]
+    assert "engine build: Building engine (1 step(s))" in messages
+    assert any(message.startswith("engine build: Building engine done in") for message in messages)
+    # Nested phases are DEBUG: an INFO log shows the top level only.
+    assert not any("Timing layers" in message for message in messages)
+
+
+@pytest.mark.parametrize("version", ("10.3.0.30", "11.0.0.11"))
+def test_a_stop_request_ends_the_build_early(
+    install_fake: Callable[[str], types.ModuleType], model: Path, tmp_path: Path, version: str
+) -> None:
+    fake = install_fake(version)
+    state = state_of(fake)
+    polled: list[int] = []
+
+    def stop_after_first_step() -> bool:
+        polled.append(1)
+        return len(polled) > 1
+
+    cache_path = tmp_path / "timing.cache"
+    with pytest.raises(EngineBuildCancelled) as caught:
+        build_engine(model, config(timing_cache_path=cache_path), compute_capability=orin,
+                     root=tmp_path, stop_requested=stop_after_first_step)
+    assert "stopped on request" in str(caught.value)
+    assert isinstance(caught.value, EngineError)
+    # TensorRT was told to stop at the second step: no further steps, no engine, no cache.
+    steps = [call for call in state.progress_calls if call[0] == "step"]
+    assert steps == [("step", "Timing layers", 0), ("step", "Timing layers", 1)]
+    assert state.builds == [] and not cache_path.exists()
+
+
+def test_a_failing_stop_check_does_not_reach_tensorrt(
+    install_fake: Callable[[str], types.ModuleType], model: Path, tmp_path: Path
+) -> None:
+    install_fake("10.3.0.30")
+
+    def broken() -> bool:
+        raise OSError("cannot read the stop flag")
+
+    # Raised into TensorRT's noexcept C++ callback, this would abort the process: the monitor
+    # logs it and the build goes on.
+    result = build_engine(model, config(), compute_capability=orin, root=tmp_path,
+                          stop_requested=broken)
+    assert result.plan
+
+
+def test_an_interrupt_inside_a_progress_callback_stops_the_build_and_is_raised_after(
+    install_fake: Callable[[str], types.ModuleType], model: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C (or the CLI's SIGTERM handler) can fire while TensorRT is inside a Python callback
+    on the building thread. It must not cross into TensorRT's noexcept C++ (the process would
+    abort): the build is stopped, and the interrupt is raised once TensorRT has returned."""
+    fake = install_fake("10.3.0.30")
+
+    def interrupted() -> bool:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_engine(model, config(), compute_capability=orin, root=tmp_path,
+                     stop_requested=interrupted)
+    state = state_of(fake)
+    assert [call for call in state.progress_calls if call[0] == "step"] == [
+        ("step", "Timing layers", 0)]
+    assert state.builds == []
+
+
+def test_tensorrt_8_5_builds_to_the_end_without_a_progress_monitor(
+    install_fake: Callable[[str], types.ModuleType], model: Path, tmp_path: Path
+) -> None:
+    fake = install_fake("8.5.2.2")
+    assert not hasattr(fake, "IProgressMonitor")
+    result = build_engine(model, config(), compute_capability=orin, root=tmp_path,
+                          stop_requested=lambda: True)
+    assert result.plan and state_of(fake).progress_calls == []
 
 
 def test_unsupported_tensorrt_version_is_an_error(

@@ -155,6 +155,9 @@ class BackendOptions:
     buffer_sets: int = 2  # staged batches per instance: one running, one being assembled
     device_id: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Polled during long work in activate() (a TensorRT engine build): True ends it early with
+    # StopRequested. The daemon sets it when it is asked to stop while starting.
+    stop_requested: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

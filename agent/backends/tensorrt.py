@@ -469,7 +469,8 @@ class TensorRTBackend(Backend):
             log.info("building the TensorRT engine for %s v%d on this device (%s); this takes a while",
                      self.artifacts.name, self.artifacts.version, key)
             result = build_engine(self.artifacts.onnx_path, config,
-                                  compute_capability=lambda: device.compute_capability, root=self._root)
+                                  compute_capability=lambda: device.compute_capability, root=self._root,
+                                  stop_requested=self.options.stop_requested)
             for warning in result.warnings:
                 log.warning("engine build: %s", warning)
             log.info("engine built in %.1f s", result.build_seconds)

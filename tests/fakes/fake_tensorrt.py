@@ -39,7 +39,7 @@ import json
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -366,6 +366,12 @@ class FakeState:
     compute_capability: str = "8.7"
     plugins_initialised: bool = False
     builds: list[dict[str, Any]] = field(default_factory=list)
+    # Called before each step of a build's "Building engine" phase (one step per layer), with
+    # the step number: a test makes the build slow or does something mid-build with it.
+    on_build_step: Callable[[int], None] | None = None
+    # What the builder told the progress monitor: ("start", phase, parent, steps),
+    # ("step", phase, step) and ("finish", phase).
+    progress_calls: list[tuple[Any, ...]] = field(default_factory=list)
     # The runtime side: what the fake engine may address, how many runtime objects are alive
     # (by class name), and how many batches ran.
     gpu: FakeGpu = field(default_factory=FakeGpu)
@@ -623,6 +629,59 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
 
     def _emit(logger: Any, severity: str, message: str) -> None:
         logger.log(getattr(Severity, severity), message)
+
+    # -- progress (10.0+) ---------------------------------------------------------------------------
+    class IProgressMonitor:
+        # Abstract like ILogger: a subclass overrides all three and calls the base __init__.
+        __slots__ = ("_trt_initialised",)
+
+        def __init__(self) -> None:
+            self._trt_initialised = True
+
+        def phase_start(self, phase_name: str, parent_phase: str, num_steps: int) -> None:
+            raise RuntimeError('Tried to call pure virtual function "IProgressMonitor::phaseStart"')
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            raise RuntimeError('Tried to call pure virtual function "IProgressMonitor::stepComplete"')
+
+        def phase_finish(self, phase_name: str) -> None:
+            raise RuntimeError('Tried to call pure virtual function "IProgressMonitor::phaseFinish"')
+
+    def _run_build_phases(config: Any, steps: int) -> bool:
+        """Report a build's progress to the config's monitor; False when it asked to stop.
+
+        Like TensorRT, the monitor is called from the building thread and a step that returns
+        False ends the phase early (phase_finish still comes) and the build returns None."""
+        monitor = config._progress_monitor
+        record = state.progress_calls.append
+        outer, inner = "Building engine", "Timing layers"
+        if monitor is not None:
+            monitor.phase_start(outer, None, 1)
+            record(("start", outer, None, 1))
+            monitor.phase_start(inner, outer, steps)
+            record(("start", inner, outer, steps))
+        completed = True
+        for step in range(steps):
+            if state.on_build_step is not None:
+                state.on_build_step(step)
+            if monitor is None:
+                continue
+            go_on = monitor.step_complete(inner, step)
+            record(("step", inner, step))
+            if not isinstance(go_on, bool):
+                raise TypeError("IProgressMonitor.step_complete must return bool")
+            if not go_on:
+                completed = False
+                break
+        if monitor is not None:
+            monitor.phase_finish(inner)
+            record(("finish", inner))
+            if completed:
+                monitor.step_complete(outer, 0)
+                record(("step", outer, 0))
+            monitor.phase_finish(outer)
+            record(("finish", outer))
+        return completed
 
     # -- shapes and tensors ------------------------------------------------------------------------
     class Dims:
@@ -1212,6 +1271,7 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
             "_profiles",
             "_timing_cache",
             "_logger",
+            "_progress_monitor",
         )
         _flags: int
         _pools: dict[str, int]
@@ -1336,9 +1396,41 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
         def get_timing_cache(self) -> Any:
             return self._timing_cache
 
-    if has_optimization_level:
+    class _ProgressMonitorProperty:
+        # IBuilderConfig.progress_monitor came with TensorRT 10.0.
+        __slots__ = ()
+        @property
+        def progress_monitor(self: Any) -> Any:
+            return self._progress_monitor
 
-        class IBuilderConfig(_BuilderConfigBase):
+        @progress_monitor.setter
+        def progress_monitor(self: Any, value: Any) -> None:
+            if not isinstance(value, IProgressMonitor):
+                raise _incompatible("IBuilderConfig.progress_monitor", "value", value,
+                                    "IProgressMonitor")
+            if not getattr(value, "_trt_initialised", False):
+                raise TypeError(f"{type(value).__name__}.__init__() must call "
+                                "tensorrt.IProgressMonitor.__init__()")
+            self._progress_monitor = value
+
+    if major >= 10:
+
+        class IBuilderConfig(_ProgressMonitorProperty, _BuilderConfigBase):
+            __slots__ = ()
+
+            @property
+            def builder_optimization_level(self) -> int:
+                return 3 if self._optimization_level is None else self._optimization_level
+
+            @builder_optimization_level.setter
+            def builder_optimization_level(self, value: int) -> None:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise _incompatible("IBuilderConfig.builder_optimization_level", "value", value, "int")
+                self._optimization_level = value
+    elif has_optimization_level:
+
+        class IBuilderConfig(_BuilderConfigBase):  # type: ignore[no-redef]
+            # 8.6: an optimization level, no progress monitor.
             __slots__ = ()
 
             @property
@@ -1410,6 +1502,7 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
                 _profiles=[],
                 _timing_cache=None,
                 _logger=self._logger,
+                _progress_monitor=None,
             )
 
         def create_optimization_profile(self) -> Any:
@@ -1427,6 +1520,9 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
                 problem = state.fail_build_with
             if problem is not None:
                 _emit(self._logger, "ERROR", problem)
+                return None
+            if not _run_build_phases(config, len(network._layers)):
+                _emit(self._logger, "ERROR", "Engine build was cancelled by the progress monitor")
                 return None
             record = _record_build(network, config, self._logger)
             state.builds.append(record)
@@ -1906,6 +2002,7 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
         "IHostMemory": IHostMemory,
         "IBuilderConfig": IBuilderConfig,
         "Builder": Builder,
+        **({"IProgressMonitor": IProgressMonitor} if major >= 10 else {}),
         "TensorIOMode": TensorIOMode,
         "Runtime": Runtime,
         "ICudaEngine": ICudaEngine,
