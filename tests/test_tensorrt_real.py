@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from models.tensorrt_builder import EngineBuildConfig, build_engine
+from models.tensorrt_builder import EngineBuildCancelled, EngineBuildConfig, build_engine
 
 pytestmark = pytest.mark.tensorrt
 
@@ -72,6 +72,24 @@ def test_real_engine_builds_and_deserializes(tmp_path: Path) -> None:
     # The second build loads the first's timing cache without a mismatch warning.
     again = build_engine(model, _config(tmp_path))
     assert not any("timing cache" in warning for warning in again.warnings)
+
+
+def test_real_build_reports_progress_and_stops_on_request(tmp_path: Path) -> None:
+    """TensorRT 10+: the progress monitor is called, and a stop request ends the build."""
+    trt = _real_tensorrt()
+    if not hasattr(trt, "IProgressMonitor"):
+        pytest.skip(f"TensorRT {trt.__version__} has no progress monitor")
+    model = _model(tmp_path, int(trt.__version__.split(".")[0]) >= 11)
+    polls: list[int] = []
+
+    def stop_at_the_first_step() -> bool:
+        polls.append(1)
+        return True
+
+    with pytest.raises(EngineBuildCancelled):
+        build_engine(model, _config(tmp_path, timing_cache_path=None),
+                     stop_requested=stop_at_the_first_step)
+    assert polls == [1]  # once told to stop, the monitor answers without asking again
 
 
 def test_real_dla_build(tmp_path: Path) -> None:
