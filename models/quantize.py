@@ -30,7 +30,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -384,9 +384,11 @@ def check_qdq_format(model_bytes: bytes) -> None:
             raise InternalError(f"{node.name}: weight stored quantized, not as float behind Q/DQ")
 
 
-def quantized_layers(model_bytes: bytes) -> list[str]:
+def quantized_layers(model_bytes: bytes, kept_out: Collection[str] = ()) -> list[str]:
     """Names of the layers that run in INT8: every data input (a Conv/Gemm bias aside) is
-    dequantized. A kept-out layer may still read one dequantized input from an INT8 neighbour."""
+    dequantized, and the layer is not one of ``kept_out`` (the precision plan's FP16 layers). A
+    kept-out layer may still read only dequantized inputs from INT8 neighbours (an Add joining two
+    INT8 branches): it runs in FP16 all the same."""
     onnx = require("onnx", extra="host", purpose="reading QDQ models")
     model = onnx.load_from_string(model_bytes)
     dequantized = {
@@ -397,7 +399,7 @@ def quantized_layers(model_bytes: bytes) -> list[str]:
         if node.op_type not in CANDIDATE_OP_TYPES:
             continue
         data_inputs = node.input[:2] if node.op_type in ("Conv", "ConvTranspose", "Gemm") else node.input
-        if all(name in dequantized for name in data_inputs):
+        if node.name not in kept_out and all(name in dequantized for name in data_inputs):
             layers.append(node.name)
     return layers
 
@@ -547,7 +549,7 @@ def quantize_model(
         float_metric=float_metric,
         full_int8_metric=full_metric,
         int8_metric=metric,
-        int8_layers=quantized_layers(model_bytes),
+        int8_layers=quantized_layers(model_bytes, kept_out=set(fp16_layers)),
         fp16_layers=fp16_layers,
         sensitivity=sensitivity,
         search_trace=trace,
