@@ -213,16 +213,24 @@ def _read_image(path: Path, spec: Any, input_spec: TensorSpec) -> dict[str, np.n
     return {input_spec.name: array.astype(input_spec.dtype, copy=False)}
 
 
+def even_batch_size(count: int, limit: int) -> int:
+    """The largest batch size up to ``limit`` that splits ``count`` samples into equal batches."""
+    return next(size for size in range(max(1, min(limit, count)), 0, -1) if count % size == 0)
+
+
 class CalibrationReader:
     """ONNX Runtime's calibration data reader interface over a :class:`CalibrationSet`.
 
     Feeds batches (the calibrators accept any batch size on a dynamic batch axis, and batches are
-    far faster than single samples) and shows a progress bar.
+    far faster than single samples) and shows a progress bar. Every batch has the same size, the
+    largest divisor of the sample count up to ``batch_size``: ONNX Runtime's histogram collectors
+    (entropy, percentile) stack the batches' activations with ``np.asarray`` and fail on a shorter
+    last batch (1,000 samples in batches of 32 did).
     """
 
     def __init__(self, data: CalibrationSet, batch_size: int = 32, progress: bool = True) -> None:
         self._data = data
-        self._batch_size = batch_size
+        self._batch_size = even_batch_size(len(data), batch_size)
         self._progress = progress
         self._iterator: Iterator[dict[str, np.ndarray]] | None = None
         self._bar = None

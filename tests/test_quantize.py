@@ -76,6 +76,16 @@ def test_int8_model_has_the_format_tensorrt_needs(digits, trained_onnx, tmp_path
         assert initializers[activation_dq.input[1]].shape == ()  # per-tensor activations
 
 
+@pytest.mark.parametrize("method", ["entropy", "percentile"])
+def test_histogram_calibration_takes_any_sample_count(digits, trained_onnx, tmp_path, method):
+    # 100 samples do not split into batches of 32; ONNX Runtime's histogram collectors used to
+    # fail on the short last batch (and 1,000, the top of the recommended range, did too).
+    train_split, _ = digits
+    quantizer = QdqQuantizer(trained_onnx, from_array(train_split.images, "input", 100),
+                             QuantizeConfig(method=method, progress=False), tmp_path)
+    assert quantized_layers(quantizer.quantize())
+
+
 def test_calibration_methods_give_different_ranges(digits, trained_onnx, tmp_path):
     calibration = from_array(digits[0].images, "input", 256)
     scales = {}
