@@ -7,6 +7,7 @@ renamed over the final name; the directory is fsynced so the rename survives a p
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -52,10 +53,12 @@ def atomic_write_text(path: Path, text: str, *, mode: int = 0o644) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output_file(path: Path, *, mode: int = 0o644) -> Iterator[Path]:
+def atomic_output_file(path: Path, *, mode: int = 0o644, exclusive: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is fsynced and renamed to ``path``.
 
-    On any exception the temporary file is removed and ``path`` is left as it was.
+    On any exception the temporary file is removed and ``path`` is left as it was. ``exclusive``:
+    never replace an existing ``path`` (``FileExistsError``), even one that appeared while the
+    file was being written (another process writing the same name).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,12 +70,30 @@ def atomic_output_file(path: Path, *, mode: int = 0o644) -> Iterator[Path]:
         with open(tmp_path, "rb+") as handle:
             os.fsync(handle.fileno())
         os.chmod(tmp_path, mode)
-        os.replace(tmp_path, path)
+        if exclusive:
+            _link_new(tmp_path, path)
+        else:
+            os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
     fsync_dir(path.parent)
+
+
+def _link_new(tmp_path: Path, path: Path) -> None:
+    """Give ``tmp_path``'s file the name ``path`` unless that name exists (atomically, with a
+    hard link), then drop the temporary name."""
+    try:
+        os.link(tmp_path, path)
+    except FileExistsError:
+        raise
+    except OSError:  # a filesystem without hard links: check, then rename (a small window)
+        if path.exists():
+            raise FileExistsError(errno.EEXIST, "File exists", str(path)) from None
+        os.replace(tmp_path, path)
+        return
+    tmp_path.unlink()
 
 
 @contextlib.contextmanager

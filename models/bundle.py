@@ -77,11 +77,14 @@ def pack_bundle(
     signing_key: Ed25519PrivateKey,
     *,
     limits: BundleLimits = DEFAULT_LIMITS,
+    overwrite: bool = True,
 ) -> dict[str, Any]:
     """Write a signed bundle to ``out_path`` atomically.
 
     Args:
         out_path: The bundle to write; replaced only once the new one is complete.
+        overwrite: False: fail if ``out_path`` exists when the bundle is complete (two builds
+            that picked the same version), never replacing it.
         manifest: The manifest without ``artifacts`` (computed here). ``schema_version`` and
             ``created_at`` are filled in when absent. When ``artifacts`` is present (re-signing),
             it must match the files exactly.
@@ -119,12 +122,14 @@ def pack_bundle(
     mtime_s = max(0, int(created.timestamp())) if created is not None else 0
 
     try:
-        with atomic_output_file(out_path, mode=MEMBER_FILE_MODE) as tmp_path:
+        with atomic_output_file(out_path, mode=MEMBER_FILE_MODE, exclusive=not overwrite) as tmp_path:
             with tarfile.open(tmp_path, mode="w", format=tarfile.PAX_FORMAT) as tar:
                 _add_bytes(tar, MANIFEST_MEMBER, manifest_bytes, mtime_s)
                 _add_bytes(tar, SIGNATURE_MEMBER, signature_bytes, mtime_s)
                 for name in _member_order(computed):
                     _add_file(tar, name, sources[name], computed[name], mtime_s)
+    except FileExistsError:
+        raise BundleError("bundle already exists", path=out_path) from None
     except OSError as exc:
         raise BundleError("cannot write bundle", path=out_path, reason=str(exc)) from exc
     return final

@@ -7,6 +7,7 @@ bundle or report behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,11 +29,16 @@ from models.manifest import MAX_NAME_LENGTH
 from models.calibration import DEFAULT_SAMPLES, CalibrationSet, from_array, from_directory
 from models.ort import int8_kernels
 from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, model_outputs, quantize_model
+from pruning.config import PruneConfig
 
 log = logging.getLogger(__name__)
 
 MIN_AGENT_VERSION = "0.1.0"
 _BUNDLE_NAME = re.compile(r"^(?P<name>[a-z0-9][a-z0-9._-]*)-(?P<version>\d+)\.bundle$")
+
+
+# No layer loses more than this fraction of its channels, so neither can the whole model.
+MAX_PRUNE_RATIO: float = PruneConfig.max_layer_ratio
 
 
 @dataclass(frozen=True)
@@ -76,10 +82,27 @@ class BuildOptions:
             raise ConfigError("give exactly one of --model, --user-model or --onnx")
         if (self.onnx is not None or self.user_model is not None) and self.calib_dir is None:
             raise ConfigError("--onnx and --user-model need --calib-dir with calibration samples")
-        if self.prune_ratio is not None and not 0.0 <= self.prune_ratio < 1.0:
-            raise ConfigError("prune ratio must be in [0, 1)", found=self.prune_ratio)
+        if self.prune_ratio is not None and not 0.0 <= self.prune_ratio <= MAX_PRUNE_RATIO:
+            raise ConfigError(f"--prune must be in [0, {MAX_PRUNE_RATIO}] (no layer may lose more "
+                              f"than {MAX_PRUNE_RATIO:.0%} of its channels)", key="--prune",
+                              found=self.prune_ratio)
+        if self.prune_ratio and self.prune_target_macs is not None:
+            raise ConfigError("give --prune or --prune-target-macs, not both")
         if self.onnx is not None and (self.prune_ratio or self.prune_target_macs):
             raise ConfigError("an ONNX model cannot be pruned; prune the PyTorch model instead")
+        if self.model is not None and self.calib_dir is not None:
+            raise ConfigError("--calib-dir is for --user-model and --onnx; the example models "
+                              "calibrate on their own training split", key="--calib-dir",
+                              path=self.calib_dir)
+        if self.calib_preprocess is not None and self.calib_dir is None:
+            raise ConfigError("--calib-preprocess needs --calib-dir", key="--calib-preprocess")
+        if self.checkpoint is not None and self.user_model is None:
+            raise ConfigError("--checkpoint is for --user-model (the example models use their "
+                              "own trained checkpoint; an ONNX model carries its weights)",
+                              key="--checkpoint", path=self.checkpoint)
+        if not 0.0 <= self.accuracy_budget <= 100.0:  # also refuses NaN
+            raise ConfigError("--accuracy-budget must be in [0, 100] points",
+                              key="--accuracy-budget", found=self.accuracy_budget)
         if not 1 <= self.opt_batch <= self.max_batch:
             raise ConfigError("need 1 <= opt batch <= max batch", opt_batch=self.opt_batch,
                               max_batch=self.max_batch)
@@ -158,6 +181,14 @@ def _write_new_key(key: Any, path: Path) -> None:
     log.info("wrote the new signing key pair %s and %s", path, signing.public_key_path(path))
 
 
+def _remove_new_key(path: Path) -> None:
+    from models import signing
+
+    for written in (path, signing.public_key_path(path)):
+        with contextlib.suppress(FileNotFoundError):
+            written.unlink()
+
+
 def _speed(model_bytes: bytes, input_name: str, shape: tuple[int, ...], threads: int) -> float:
     """Images per second of an ONNX model on this host (median latency over about a second)."""
     from models.ort import create_session
@@ -198,8 +229,13 @@ def prune_and_finetune(model: Any, options: BuildOptions, train_split: Any, held
         iterative_steps=options.prune_steps,
     )
     finetune_config = TrainConfig(epochs=options.finetune_epochs, learning_rate=0.01)
+    params_before = _parameter_count(model)
 
     def finetune(pruned: Any, step: int) -> None:
+        if _parameter_count(pruned) == params_before:
+            # Fine-tuning a model that lost nothing would only move it off its checkpoint.
+            log.info("pruning step %d removed nothing: not fine-tuning", step + 1)
+            return
         log.info("fine-tuning after pruning step %d (%d epochs)", step + 1, finetune_config.epochs)
         train(pruned, train_split, finetune_config, progress=options.progress)
 
@@ -212,11 +248,19 @@ def prune_and_finetune(model: Any, options: BuildOptions, train_split: Any, held
 
     result = prune_model(model, example, config, finetune=finetune, loss_batches=loss_batches,
                          progress=options.progress)
+    if _parameter_count(result.model) == params_before:
+        log.warning("pruning removed no channels (every layer is already at or below what "
+                    "--round-to %d and the ratio or MAC target allow): the model is unchanged",
+                    options.round_to)
     accuracy = top1_accuracy(predict(result.model, held_out.images), held_out.labels)
     report = result.report.to_dict()
     report["top1"] = accuracy
     log.info("pruned:\n%s", result.report.format_table())
     return result.model, report
+
+
+def _parameter_count(model: Any) -> int:
+    return sum(int(parameter.numel()) for parameter in model.parameters())
 
 
 def _prepare_out_dir(out_dir: Path) -> bool:
@@ -251,8 +295,35 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _planned_name(options: BuildOptions) -> str:
+    """The bundle's name, known before any work (the same rules as the loaders use)."""
+    if options.name:
+        return options.name
+    if options.model is not None:
+        from models import zoo
+
+        return zoo.get(options.model).name
+    if options.user_model is not None:
+        return _slug(options.user_model.split(":")[-1])
+    assert options.onnx is not None  # BuildOptions allows exactly one source
+    return _slug(options.onnx.stem)
+
+
+def _check_before_work(options: BuildOptions) -> None:
+    """Refuse what would only fail after minutes of pruning and calibration."""
+    if options.version is not None:
+        bundle_path = options.out_dir / f"{_planned_name(options)}-{options.version}.bundle"
+        if bundle_path.exists():
+            raise ConfigError("bundle already exists; pick another --version", path=bundle_path)
+    if options.build_engine:
+        from models.tensorrt_builder import require_tensorrt
+
+        require_tensorrt()
+
+
 def build(options: BuildOptions) -> BuildResult:
     """Run the whole pipeline; see the module docstring."""
+    _check_before_work(options)
     created = _prepare_out_dir(options.out_dir)
     try:
         return _build(options)
@@ -325,7 +396,12 @@ def _build(options: BuildOptions) -> BuildResult:
 
         if new_key_path is not None:
             _write_new_key(key, new_key_path)
-        final_manifest = pack_bundle(bundle_path, manifest, files, key)
+        try:
+            final_manifest = pack_bundle(bundle_path, manifest, files, key, overwrite=False)
+        except BaseException:
+            if new_key_path is not None:  # a failed build leaves no key behind
+                _remove_new_key(new_key_path)
+            raise
         report_path = options.out_dir / "report.json"
         atomic_write_text(report_path, report_text)
         fsync_dir(options.out_dir)

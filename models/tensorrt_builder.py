@@ -330,7 +330,7 @@ class LogCapture:
         return [message for severity, message in self.messages if severity in severities]
 
 
-def _import_tensorrt() -> None:
+def require_tensorrt() -> None:
     """Fail with a clear error unless the real ``tensorrt`` module is importable."""
     module = require(
         "tensorrt",
@@ -621,7 +621,7 @@ def build_engine(
         EngineBuildCancelled: ``stop_requested`` stopped the build.
     """
     data = _read_onnx(onnx_path)
-    _import_tensorrt()
+    require_tensorrt()
     import tensorrt as trt
 
     features = TensorRTFeatures.from_version(trt.__version__)

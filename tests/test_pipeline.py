@@ -137,12 +137,63 @@ def test_a_failed_build_without_a_key_leaves_no_key_behind(tmp_path, capsys):
     (["--prune", "0.5", "--finetune-epochs", "-1"], "--finetune-epochs must be at least 0"),
     (["--prune", "0.5", "--round-to", "0"], "--round-to must be at least 1"),
     (["--prune-target-macs", "-1"], "--prune-target-macs must be a positive"),
+    (["--prune", "0.95"], "--prune must be in [0, 0.9]"),
+    (["--prune", "0.5", "--prune-target-macs", "0.5"], "not both"),
+    (["--accuracy-budget", "-1"], "--accuracy-budget must be in [0, 100]"),
+    (["--accuracy-budget", "nan"], "--accuracy-budget must be in [0, 100]"),
+    (["--calib-dir", "."], "--calib-dir is for --user-model and --onnx"),
+    (["--calib-preprocess", "spec.json"], "--calib-preprocess needs --calib-dir"),
+    (["--checkpoint", "weights.pt"], "--checkpoint is for --user-model"),
+    (["--engine"], "TensorRT"),
 ])
 def test_bad_build_settings_are_refused_before_any_work(tmp_path, args, message, capsys):
     out = tmp_path / "out"
     err = _fails(["build", "--model", MODEL, "--out", str(out), *args], capsys)
     assert message in err
     assert _outputs(out) == set()
+
+
+def test_an_existing_bundle_version_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    existing = out / f"{MODEL}-1.bundle"
+    existing.write_bytes(b"someone else's bundle")
+    err = _fails(["build", "--model", MODEL, "--out", str(out), "--version", "1",
+                  "--prune", "0.5"], capsys)
+    assert "bundle already exists" in err
+    assert existing.read_bytes() == b"someone else's bundle"
+    assert _outputs(out) == {existing.name}
+
+
+def test_a_bundle_that_appears_during_the_build_is_not_replaced(tmp_path, capsys, monkeypatch):
+    """Two builds into one --out pick the same next version; the one that finishes second must
+    fail rather than replace the first one's bundle, and it takes its new key pair with it."""
+    from models import pipeline
+
+    out = tmp_path / "out"
+    real_speed_report = pipeline._speed_report
+
+    def speed_report_while_another_build_finishes(*args, **kwargs):
+        (out / f"{MODEL}-1.bundle").write_bytes(b"the other build's bundle")
+        return real_speed_report(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_speed_report", speed_report_while_another_build_finishes)
+    err = _fails(["build", "--model", MODEL, "--out", str(out), *FAST], capsys)
+    assert "bundle already exists" in err
+    assert (out / f"{MODEL}-1.bundle").read_bytes() == b"the other build's bundle"
+    assert _outputs(out) == {f"{MODEL}-1.bundle"}  # no key pair, report or temporary file
+
+
+def test_pruning_that_removes_nothing_keeps_the_trained_weights(tmp_path, keys, capsys, caplog):
+    # SmallCNN has no layer wider than 64 channels: rounding widths to 64 leaves nothing to cut.
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING", logger="models.pipeline"):
+        assert main(["build", "--model", MODEL, "--key", str(keys), "--out", str(out), *FAST,
+                     "--prune", "0.5", "--round-to", "64"]) == 0
+    assert any("pruning removed no channels" in record.getMessage() for record in caplog.records)
+    report = json.loads((out / "report.json").read_text())
+    # Not fine-tuned: the "pruned" model is the trained checkpoint, so it scores the same.
+    assert report["accuracy"]["pruned_fp32"] == report["accuracy"]["fp32_unpruned"]
 
 
 def _fails(args: list[str], capsys) -> str:

@@ -90,7 +90,7 @@ _NUMPY_DTYPES = {
 }
 
 
-def _import_tensorrt() -> ModuleType:
+def require_tensorrt() -> ModuleType:
     module = require("tensorrt", extra="", purpose=_PURPOSE)
     if not hasattr(module, "Runtime"):
         # pip's tensorrt-stubs installs a bare tensorrt/ folder of .pyi files, which Python imports
@@ -337,7 +337,7 @@ class TensorRTBackend(Backend):
     def activate(self) -> None:
         if self._active:
             return
-        _import_tensorrt()
+        require_tensorrt()
         try:
             self._activate()
         except BaseException:
