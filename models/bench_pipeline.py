@@ -53,8 +53,10 @@ class PipelineBenchConfig:
 
     def __post_init__(self) -> None:
         """Refuse bad settings before minutes of pruning and calibration are spent."""
-        if not 0.0 <= self.prune_ratio < 1.0:
-            raise ConfigError("prune ratio must be in [0, 1)", key="--prune",
+        from models.pipeline import MAX_PRUNE_RATIO
+
+        if not 0.0 <= self.prune_ratio <= MAX_PRUNE_RATIO:
+            raise ConfigError(f"prune ratio must be in [0, {MAX_PRUNE_RATIO}]", key="--prune",
                               found=self.prune_ratio)
         for key, value, minimum in (("--finetune-epochs", self.finetune_epochs, 0),
                                     ("--threads", self.threads, 1),

@@ -83,8 +83,8 @@ class BuildOptions:
         if (self.onnx is not None or self.user_model is not None) and self.calib_dir is None:
             raise ConfigError("--onnx and --user-model need --calib-dir with calibration samples")
         if self.prune_ratio is not None and not 0.0 <= self.prune_ratio <= MAX_PRUNE_RATIO:
-            raise ConfigError(f"--prune must be in [0, {MAX_PRUNE_RATIO}] (no layer may lose more "
-                              f"than {MAX_PRUNE_RATIO:.0%} of its channels)", key="--prune",
+            raise ConfigError(f"prune ratio must be in [0, {MAX_PRUNE_RATIO}] (no layer may lose "
+                              f"more than {MAX_PRUNE_RATIO:.0%} of its channels)", key="--prune",
                               found=self.prune_ratio)
         if self.prune_ratio and self.prune_target_macs is not None:
             raise ConfigError("give --prune or --prune-target-macs, not both")

@@ -39,7 +39,7 @@ def test_bench_pipeline_writes_every_required_key(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--prune", "1.5"], "prune ratio must be in [0, 1)"),
+    (["--prune", "1.5"], "prune ratio must be in [0, 0.9]"),
     (["--threads", "0"], "--threads must be at least 1"),
     (["--size", "16"], "--size must be at least 32"),
     (["--rounds", "0"], "--rounds must be at least 1"),

@@ -137,7 +137,7 @@ def test_a_failed_build_without_a_key_leaves_no_key_behind(tmp_path, capsys):
     (["--prune", "0.5", "--finetune-epochs", "-1"], "--finetune-epochs must be at least 0"),
     (["--prune", "0.5", "--round-to", "0"], "--round-to must be at least 1"),
     (["--prune-target-macs", "-1"], "--prune-target-macs must be a positive"),
-    (["--prune", "0.95"], "--prune must be in [0, 0.9]"),
+    (["--prune", "0.95"], "prune ratio must be in [0, 0.9]"),
     (["--prune", "0.5", "--prune-target-macs", "0.5"], "not both"),
     (["--accuracy-budget", "-1"], "--accuracy-budget must be in [0, 100]"),
     (["--accuracy-budget", "nan"], "--accuracy-budget must be in [0, 100]"),

@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="preprocessing spec (JSON) for image files in --calib-dir "
                             "(default: DIR/preprocessing.json)")
     build.add_argument("--prune", type=float, metavar="RATIO", dest="prune_ratio",
-                       help="fraction of channels to remove, in [0, 1)")
+                       help="fraction of channels to remove, in [0, 0.9]")
     build.add_argument("--prune-target-macs", type=float, metavar="GMACS",
                        help="prune until the model needs at most this many GMACs at 224x224")
     build.add_argument("--importance", choices=("l1", "l2", "taylor"), default="l2")
