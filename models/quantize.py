@@ -507,6 +507,12 @@ def quantize_model(
             float_metric=round(float_metric, 3),
             budget=config.accuracy_budget,
         )
+    samples = len(next(iter(evaluator.inputs.values())))
+    if samples and 100.0 / samples > config.accuracy_budget:
+        log.warning("with %d evaluation samples one changed prediction costs %.2f points, more "
+                    "than the %.2f-point budget: only models that change no prediction pass, "
+                    "which may keep many layers out of INT8 (give more samples, or a larger "
+                    "--accuracy-budget)", samples, 100.0 / samples, config.accuracy_budget)
     quantizer = QdqQuantizer(float_model, calibration, config, workdir)
 
     full_int8 = quantizer.quantize()
@@ -543,6 +549,9 @@ def quantize_model(
     )
     timings["search_s"] = time.perf_counter() - search_started
     timings["total_s"] = time.perf_counter() - started
+    if fp16_layers and len(fp16_layers) == len(quantizer.candidates):
+        log.warning("no layer could run in INT8 within the accuracy budget: the bundle's model "
+                    "is FP16 throughout (%d layers)", len(fp16_layers))
     return QuantizeResult(
         model_bytes=model_bytes,
         metric_name=evaluator.metric_name,

@@ -163,6 +163,17 @@ def test_a_kept_out_add_between_int8_branches_is_not_listed_as_int8(digits, trai
     assert set(int8_layers) == {name for name, _ in quantizer.candidates} - {add}
 
 
+def test_an_evaluation_set_too_small_for_the_budget_is_warned_about(digits, trained_onnx,
+                                                                     tmp_path, caplog):
+    train_split, held_out = digits
+    evaluator = Evaluator({"input": held_out.images[:64]}, held_out.labels[:64])
+    with caplog.at_level("WARNING", logger="models.quantize"):
+        quantize_model(trained_onnx, from_array(train_split.images, "input", 64), evaluator,
+                       QuantizeConfig(method="minmax", progress=False), tmp_path)
+    assert any("with 64 evaluation samples one changed prediction costs 1.56 points"
+               in record.getMessage() for record in caplog.records)
+
+
 def test_search_reports_an_unreachable_budget(digits, trained_onnx, tmp_path):
     from agent.errors import QuantizationError
 
