@@ -105,11 +105,17 @@ def test_build_example_makes_a_verified_bundle_and_report(tmp_path, keys, capsys
     assert "smallcnn-digits-2.bundle" in _outputs(out)
 
 
-def test_build_from_onnx_uses_agreement_without_labels(tmp_path, keys, digits_onnx):
+def test_build_from_onnx_uses_agreement_without_labels(tmp_path, keys, digits_onnx, caplog):
     model_path, calib = digits_onnx
     out = tmp_path / "out"
-    assert main(["build", "--onnx", str(model_path), "--calib-dir", str(calib), "--key", str(keys),
-                 "--out", str(out), "--calib-samples", "96", "--json"]) == 0
+    with caplog.at_level("WARNING", logger="agent.cli.build"):
+        assert main(["build", "--onnx", str(model_path), "--calib-dir", str(calib), "--key",
+                     str(keys), "--out", str(out), "--calib-samples", "96", "--json",
+                     "--finetune-epochs", "3", "--round-to", "8"]) == 0
+    # Pruning settings without pruning change nothing, and the build says so.
+    assert ["--round-to, --finetune-epochs only apply when pruning (--prune or "
+            "--prune-target-macs): ignored"] == [record.getMessage() for record in caplog.records
+                                                 if record.name == "agent.cli.build"]
     report = json.loads((out / "report.json").read_text())
     assert report["accuracy"]["metric"] == "agreement"
     assert report["accuracy"]["fp32"] == 100.0

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 from pathlib import Path
 
 from agent.deps import require
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "resnet18-digits"
 
@@ -38,12 +41,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="fraction of channels to remove, in [0, 0.9]")
     build.add_argument("--prune-target-macs", type=float, metavar="GMACS",
                        help="prune until the model needs at most this many GMACs at 224x224")
-    build.add_argument("--importance", choices=("l1", "l2", "taylor"), default="l2")
-    build.add_argument("--prune-scope", choices=("uniform", "global"), default="uniform")
-    build.add_argument("--round-to", type=int, default=32,
-                       help="pruned widths are multiples of this (32 suits INT8, 8 suits FP16)")
-    build.add_argument("--prune-steps", type=int, default=1, help="iterative pruning steps")
-    build.add_argument("--finetune-epochs", type=int, default=12)
+    # The pruning settings default to None so that giving one without pruning can be pointed out;
+    # None becomes BuildOptions' default.
+    build.add_argument("--importance", choices=("l1", "l2", "taylor"), help="default: l2")
+    build.add_argument("--prune-scope", choices=("uniform", "global"), help="default: uniform")
+    build.add_argument("--round-to", type=int,
+                       help="pruned widths are multiples of this (32 suits INT8, 8 suits FP16; "
+                            "default: 32)")
+    build.add_argument("--prune-steps", type=int, help="iterative pruning steps (default: 1)")
+    build.add_argument("--finetune-epochs", type=int,
+                       help="epochs of fine-tuning after each pruning step (default: 12)")
     build.add_argument("--calib-samples", type=int, default=512)
     build.add_argument("--calib-method", choices=("entropy", "percentile", "minmax"),
                        default="entropy")
@@ -82,6 +89,23 @@ def _target_macs(gmacs: float) -> int:
     return max(1, int(gmacs * 1e9))
 
 
+_PRUNING_SETTINGS = {"importance": "prune_importance", "prune_scope": "prune_scope",
+                     "round_to": "round_to", "prune_steps": "prune_steps",
+                     "finetune_epochs": "finetune_epochs"}
+
+
+def _pruning_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The pruning options that were given, as BuildOptions fields; a warning names those given
+    where nothing is pruned (they would change nothing)."""
+    given = {field: getattr(args, name) for name, field in _PRUNING_SETTINGS.items()
+             if getattr(args, name) is not None}
+    if given and not args.prune_ratio and args.prune_target_macs is None:
+        flags = ", ".join("--" + name.replace("_", "-") for name in _PRUNING_SETTINGS
+                          if getattr(args, name) is not None)
+        log.warning("%s only apply when pruning (--prune or --prune-target-macs): ignored", flags)
+    return given
+
+
 def run_build(args: argparse.Namespace) -> int:
     require("torch", extra="host", purpose="edge-agent build")
     from models.pipeline import BuildOptions, build, format_summary
@@ -100,11 +124,7 @@ def run_build(args: argparse.Namespace) -> int:
         prune_ratio=args.prune_ratio,
         prune_target_macs=(None if args.prune_target_macs is None
                            else _target_macs(args.prune_target_macs)),
-        prune_importance=args.importance,
-        prune_scope=args.prune_scope,
-        round_to=args.round_to,
-        prune_steps=args.prune_steps,
-        finetune_epochs=args.finetune_epochs,
+        **_pruning_settings(args),
         calib_samples=args.calib_samples,
         calib_method=args.calib_method,
         accuracy_budget=args.accuracy_budget,
