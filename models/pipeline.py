@@ -201,17 +201,25 @@ def _speed(model_bytes: bytes, input_name: str, shape: tuple[int, ...], threads:
 
 
 class _Stages:
-    """Times and logs the stages of a build."""
+    """Times and logs the stages of a build. A stage may run stages of its own: ``within`` maps
+    it to them, so that a summary does not add nested times to the ones around them."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.within: dict[str, list[str]] = {}
+        self._running: list[str] = []
 
     def run(self, name: str, function: Any, *args: Any, **kwargs: Any) -> Any:
         log.info("== %s", name)
+        if self._running:
+            self.within.setdefault(self._running[-1], []).append(name)
+        self._running.append(name)
         started = time.perf_counter()
-        result = function(*args, **kwargs)
-        self.seconds[name] = round(time.perf_counter() - started, 2)
-        return result
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self._running.pop()
+            self.seconds[name] = round(time.perf_counter() - started, 2)
 
 
 def prune_and_finetune(model: Any, options: BuildOptions, train_split: Any, held_out: Any,
@@ -387,6 +395,7 @@ def _build(options: BuildOptions) -> BuildResult:
                 "source": meta["source"],
                 "signing_key_id": key_id,
                 "timings_s": stages.seconds,
+                "timings_within": stages.within,
             }
         )
         report["timings_s"]["total"] = round(time.perf_counter() - started, 2)
@@ -732,5 +741,12 @@ def format_summary(result: BuildResult) -> str:
         f"({speed['int8_speedup']:.2f}x{kernels_note})"
     )
     timings = report["timings_s"]
-    lines.append("time     " + ", ".join(f"{name} {seconds:.1f}s" for name, seconds in timings.items()))
+    within = report.get("timings_within", {})
+    nested = {name for names in within.values() for name in names}
+
+    def timing(name: str) -> str:
+        parts = ", ".join(timing(inner) for inner in within.get(name, []))
+        return f"{name} {timings[name]:.1f}s" + (f" ({parts})" if parts else "")
+
+    lines.append("time     " + ", ".join(timing(name) for name in timings if name not in nested))
     return "\n".join(lines)

@@ -99,6 +99,12 @@ def test_build_example_makes_a_verified_bundle_and_report(tmp_path, keys, capsys
     assert 100.0 * float((served == held_out.labels).mean()) == pytest.approx(
         report["accuracy"]["int8_onnxruntime_served"], abs=1e-3)
     assert "INT8, served (CPU)" in summary
+    # Nested stages are shown inside the stage that ran them, not added beside it.
+    assert report["timings_within"] == {
+        "prepare PyTorch model": ["load trained model", "prune channels", "export ONNX"]}
+    time_line = next(line for line in summary.splitlines() if line.startswith("time"))
+    assert "prepare PyTorch model " in time_line and "s (load trained model " in time_line
+    assert time_line.count("export ONNX") == 1
 
     # A second build gets the next version.
     assert main(["build", "--model", MODEL, "--key", str(keys), "--out", str(out), *FAST]) == 0
