@@ -178,7 +178,8 @@ def run(config: PipelineBenchConfig) -> dict[str, Any]:
         for name, model in (("fp32", baseline), ("pruned_fp32", pruned)):
             exported = export_onnx(model, example)
             calibration = from_array(train_split.images, exported.input_name, config.calib_samples)
-            evaluator = Evaluator({exported.input_name: held_out.images}, held_out.labels)
+            evaluator = Evaluator({exported.input_name: held_out.images}, held_out.labels,
+                                  threads=config.threads)
             quantized = quantize_model(
                 exported.model_bytes,
                 calibration,

@@ -487,7 +487,8 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
     report["export"] = _export_report(exported)
     calibration = from_array(train_split.images, exported.input_name, options.calib_samples,
                              source=f"digits train split ({len(train_split)} images)")
-    evaluator = Evaluator({exported.input_name: held_out.images}, held_out.labels)
+    evaluator = Evaluator({exported.input_name: held_out.images}, held_out.labels,
+                          threads=options.threads)
     meta = {
         "name": spec.name,
         "source": {"kind": "zoo", "model": spec.name},
@@ -525,7 +526,7 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
     inputs, _ = io_specs(onnx.load_from_string(exported.model_bytes))
     calibration = from_directory(options.calib_dir, inputs, options.calib_samples,
                                  preprocessing=options.calib_preprocess)
-    evaluator = _agreement_evaluator(exported.model_bytes, calibration)
+    evaluator = _agreement_evaluator(exported.model_bytes, calibration, options.threads)
     meta = {
         "name": _slug(options.user_model.split(":")[-1]),
         "source": {"kind": "pytorch", "model": options.user_model,
@@ -539,9 +540,11 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
     return exported.model_bytes, evaluator, calibration, meta
 
 
-def _agreement_evaluator(float_bytes: bytes, calibration: CalibrationSet) -> Evaluator:
+def _agreement_evaluator(float_bytes: bytes, calibration: CalibrationSet,
+                         threads: int) -> Evaluator:
     """Without labels, INT8 is judged by agreement with the FP32 model on the calibration set."""
-    return Evaluator(calibration.arrays, reference=model_outputs(float_bytes, calibration.arrays))
+    return Evaluator(calibration.arrays, threads=threads,
+                     reference=model_outputs(float_bytes, calibration.arrays, threads=threads))
 
 
 def _from_onnx(options: BuildOptions, report: dict[str, Any]):
@@ -559,7 +562,7 @@ def _from_onnx(options: BuildOptions, report: dict[str, Any]):
         "node_counts_after": node_counts(cleaned),
     }
     float_bytes = cleaned.SerializeToString()
-    evaluator = _agreement_evaluator(float_bytes, calibration)
+    evaluator = _agreement_evaluator(float_bytes, calibration, options.threads)
     first = inputs[0]
     meta = {
         "name": _slug(options.onnx.stem),

@@ -141,6 +141,7 @@ class Evaluator:
         labels: np.ndarray | None = None,
         reference: np.ndarray | None = None,
         batch_size: int = 128,
+        threads: int = 2,
     ) -> None:
         if labels is None and reference is None:
             raise InternalError("an evaluator needs labels or reference outputs")
@@ -148,6 +149,7 @@ class Evaluator:
         self.labels = labels
         self.reference = reference
         self.batch_size = batch_size
+        self.threads = threads
 
     @property
     def metric_name(self) -> str:
@@ -156,7 +158,8 @@ class Evaluator:
     def outputs(self, model_bytes: bytes, *, fold_relu: bool = False) -> np.ndarray:
         """First output of the model for every sample (``fold_relu``: as ONNX Runtime serves it,
         see :func:`model_outputs`)."""
-        return model_outputs(model_bytes, self.inputs, self.batch_size, fold_relu=fold_relu)
+        return model_outputs(model_bytes, self.inputs, self.batch_size, fold_relu=fold_relu,
+                             threads=self.threads)
 
     def score(self, outputs: np.ndarray) -> float:
         predicted = top1_classes(outputs)
@@ -168,7 +171,7 @@ class Evaluator:
 
 
 def model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_size: int = 128, *,
-                  fold_relu: bool = False) -> np.ndarray:
+                  fold_relu: bool = False, threads: int = 2) -> np.ndarray:
     """The model's first output for every sample of ``inputs``, run in batches.
 
     Accuracy is judged on the QDQ model exactly as the bundle carries it (and TensorRT runs it),
@@ -177,7 +180,7 @@ def model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_size:
     predictions (the demo bundle: 2 of 1,797 digits). ``fold_relu=True`` gives the outputs as the
     daemon's ONNX Runtime backend serves them.
     """
-    session = create_session(model_bytes, fold_relu=fold_relu)
+    session = create_session(model_bytes, fold_relu=fold_relu, threads=threads)
     count = next(iter(inputs.values())).shape[0]
     parts = []
     for start in range(0, count, batch_size):
@@ -573,4 +576,4 @@ def _subset(evaluator: Evaluator, samples: int) -> Evaluator:
     inputs = {name: array[:samples] for name, array in evaluator.inputs.items()}
     labels = evaluator.labels[:samples] if evaluator.labels is not None else None
     reference = evaluator.reference[:samples] if evaluator.reference is not None else None
-    return Evaluator(inputs, labels, reference, evaluator.batch_size)
+    return Evaluator(inputs, labels, reference, evaluator.batch_size, evaluator.threads)

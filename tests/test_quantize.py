@@ -174,6 +174,22 @@ def test_an_evaluation_set_too_small_for_the_budget_is_warned_about(digits, trai
                in record.getMessage() for record in caplog.records)
 
 
+def test_evaluation_sessions_use_the_builds_thread_count(digits, trained_onnx, monkeypatch):
+    from models import quantize
+
+    asked = []
+    real = quantize.create_session
+
+    def recording(model, **kwargs):
+        asked.append(kwargs.get("threads"))
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(quantize, "create_session", recording)
+    _, held_out = digits
+    Evaluator({"input": held_out.images[:8]}, held_out.labels[:8], threads=1)(trained_onnx)
+    assert asked == [1]
+
+
 def test_search_reports_an_unreachable_budget(digits, trained_onnx, tmp_path):
     from agent.errors import QuantizationError
 
