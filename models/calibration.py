@@ -55,11 +55,13 @@ class CalibrationSet:
         return {"method": method, "samples": len(self), "data_sha256": self.sha256(), "source": self.source}
 
 
-def _check_count(available: int, wanted: int, source: str) -> int:
+def _check_count(available: int, wanted: int, source: str, *, warn: bool = True) -> int:
     if available == 0:
         raise CalibrationError("calibration set is empty", source=source)
     if wanted < 1:
         raise CalibrationError("calibration sample count must be >= 1", found=wanted)
+    if not warn:
+        return min(available, wanted)
     if available < wanted:
         log.warning(
             "only %d calibration samples available (asked for %d; %d-%d recommended): "
@@ -150,11 +152,14 @@ def from_directory(
     samples: int = DEFAULT_SAMPLES,
     *,
     preprocessing: Path | None = None,
+    probe: bool = False,
 ) -> CalibrationSet:
     """Read up to ``samples`` files (name order) from ``directory``; see the module docstring.
 
     Args:
         preprocessing: The spec for image files; default ``directory/preprocessing.json``.
+        probe: Reading a sample or two to learn the input's shape, not to calibrate: no warning
+            about how few there are.
     """
     from models.images import IMAGE_SUFFIXES, SPEC_FILE, ImagePreprocessing
 
@@ -179,7 +184,7 @@ def from_directory(
                                "directory holds arrays (.npy/.npz), which are used as they are",
                                path=directory, spec=preprocessing)
     files = image_files or arrays_files
-    count = _check_count(len(files), samples, str(directory))
+    count = _check_count(len(files), samples, str(directory), warn=not probe)
     per_input: dict[str, list[np.ndarray]] = {item.name: [] for item in inputs}
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files[:count]:

@@ -57,6 +57,24 @@ def node_counts(model: Any) -> dict[str, int]:
     return dict(Counter(node.op_type for node in model.graph.node).most_common())
 
 
+def check_single_output(model: Any, example: Any) -> None:
+    """Refuse a model that does not return one tensor: the bundle, the evaluator and the daemon
+    all handle a single output."""
+    import torch
+
+    with torch.no_grad():
+        try:
+            output = model(example[:1])
+        except Exception as exc:  # noqa: BLE001 - any model error, named in one line
+            raise ModelError(f"the model fails on the example input {tuple(example.shape)}: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                             ) from exc
+    if not isinstance(output, torch.Tensor):
+        raise ModelError("the model must return one tensor (several outputs are not supported): "
+                         "wrap it in a module whose forward returns the output to deploy",
+                         found=type(output).__name__)
+
+
 def accepts_any_size(model: Any, example: Any) -> bool:
     """Whether ``model`` runs at another spatial size with an output of the same shape.
 
@@ -118,6 +136,7 @@ def export_onnx(
         raise ModelError(f"opset must be >= {MIN_OPSET}", found=opset)
     started = time.perf_counter()
     model = model.eval()
+    check_single_output(model, example)
     dynamic_spatial = accepts_any_size(model, example)
     axes: dict[int, str] = {0: "batch"}
     if dynamic_spatial:

@@ -513,13 +513,14 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
 
     if options.prune_ratio or options.prune_target_macs:
         raise PruningError(
-            "pruning a user model needs labelled fine-tuning data; use the pruning API "
-            "(pruning.prune_model) and build from the saved pruned model"
+            "pruning a user model needs labelled fine-tuning data: prune it with the pruning "
+            "API (pruning.prune_model, then pruning.save_pruned) and build the saved model with "
+            "--user-model MODULE:CALLABLE --checkpoint PRUNED.pt"
         )
     model = stages.run("load user model", load_user_model, options.user_model, options.checkpoint)
     probe = from_directory(options.calib_dir,
                            [TensorSpec("input", "float32", (-1, -1, -1, -1), ("batch",) * 4)],
-                           samples=1, preprocessing=options.calib_preprocess)
+                           samples=1, preprocessing=options.calib_preprocess, probe=True)
     example = torch.from_numpy(probe.arrays["input"])
     exported = stages.run("export ONNX", export_onnx, model, example)
     report["export"] = _export_report(exported)

@@ -161,7 +161,20 @@ class Evaluator:
         return model_outputs(model_bytes, self.inputs, self.batch_size, fold_relu=fold_relu,
                              threads=self.threads)
 
+    @property
+    def predictions(self) -> int:
+        """How many predictions a score counts: one per sample, or, for dense outputs judged by
+        agreement (N x C x H x W, e.g. segmentation), one per sample and position."""
+        if self.labels is None and self.reference is not None and self.reference.ndim > 2:
+            return int(self.reference.shape[0] * np.prod(self.reference.shape[2:]))
+        return len(next(iter(self.inputs.values())))
+
     def score(self, outputs: np.ndarray) -> float:
+        if self.labels is None and self.reference is not None and outputs.ndim > 2:
+            # Dense outputs: the class (argmax over the channel axis) at every position; one
+            # argmax over the flattened C x H x W would compare a single pixel per sample.
+            agree = outputs.argmax(axis=1) == self.reference.argmax(axis=1)
+            return float(agree.mean() * 100.0)
         predicted = top1_classes(outputs)
         target = self.labels if self.labels is not None else top1_classes(self.reference)
         return float((predicted == target).mean() * 100.0)
@@ -510,12 +523,12 @@ def quantize_model(
             float_metric=round(float_metric, 3),
             budget=config.accuracy_budget,
         )
-    samples = len(next(iter(evaluator.inputs.values())))
-    if samples and 100.0 / samples > config.accuracy_budget:
+    predictions = evaluator.predictions
+    if predictions and 100.0 / predictions > config.accuracy_budget:
         log.warning("with %d evaluation samples one changed prediction costs %.2f points, more "
                     "than the %.2f-point budget: only models that change no prediction pass, "
                     "which may keep many layers out of INT8 (give more samples, or a larger "
-                    "--accuracy-budget)", samples, 100.0 / samples, config.accuracy_budget)
+                    "--accuracy-budget)", predictions, 100.0 / predictions, config.accuracy_budget)
     quantizer = QdqQuantizer(float_model, calibration, config, workdir)
 
     full_int8 = quantizer.quantize()

@@ -95,3 +95,24 @@ def test_comparison_catches_a_graph_that_disagrees_with_torch():
     with pytest.raises(ModelError, match="beyond tolerance"):
         compare_with_torch(model, wrong_bytes, "input", [np.random.rand(2, 3, 16, 16).astype(np.float32)],
                            1e-3, 1e-3)
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.as_dict = as_dict
+
+    def forward(self, x):
+        features = self.conv(x)
+        logits = features.mean(dim=(2, 3))
+        return {"logits": logits, "features": features} if self.as_dict else (logits, features)
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+def test_a_model_with_several_outputs_is_refused_in_one_line(as_dict):
+    with pytest.raises(ModelError) as caught:
+        export_onnx(_TwoOutputs(as_dict), torch.zeros(2, 3, 16, 16))
+    message = str(caught.value)
+    assert "must return one tensor" in message and "\n" not in message
+    assert ("dict" if as_dict else "tuple") in message

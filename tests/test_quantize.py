@@ -174,6 +174,20 @@ def test_an_evaluation_set_too_small_for_the_budget_is_warned_about(digits, trai
                in record.getMessage() for record in caplog.records)
 
 
+def test_dense_outputs_are_judged_position_by_position():
+    # Segmentation-like outputs, N x C x H x W: agreement is the share of positions whose class
+    # (argmax over C) is unchanged, not one argmax over the flattened map per sample.
+    rng = np.random.default_rng(0)
+    reference = rng.standard_normal((2, 3, 2, 2)).astype(np.float32)
+    evaluator = Evaluator({"input": np.zeros((2, 3, 2, 2), np.float32)}, reference=reference)
+    assert evaluator.predictions == 8
+    changed = reference.copy()
+    position = (0, slice(None), 1, 1)
+    changed[position] = -changed[position]  # the largest channel there is no longer the largest
+    assert evaluator.score(reference) == 100.0
+    assert evaluator.score(changed) == pytest.approx(87.5)
+
+
 def test_evaluation_sessions_use_the_builds_thread_count(digits, trained_onnx, monkeypatch):
     from models import quantize
 
