@@ -203,6 +203,9 @@ class ModelStore:
         signature_path = directory / SIGNATURE_MEMBER
         manifest_bytes = _read_small(manifest_path)
         signature_bytes = _read_small(signature_path)
+        if not self._trusted_keys:
+            raise StoreError("no trusted public keys: every installed model is re-verified at "
+                             "start; pass --pubkey or set trust.public_keys", path=manifest_path)
         try:
             verify_manifest(manifest_bytes, signature_bytes, self._trusted_keys)
         except SignatureError as exc:

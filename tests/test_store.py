@@ -428,6 +428,19 @@ def test_load_refuses_a_key_no_longer_trusted(state_dir: Path, store: ModelStore
     assert "unknown signing key" in excinfo.value.fields["reason"]
 
 
+def test_load_without_any_trusted_key_says_to_give_one(state_dir: Path, store: ModelStore,
+                                                       bundles: Bundles) -> None:
+    # A restart that forgot --pubkey: not a changed file, and the message says what to do.
+    installed_store(store, bundles)
+    store.close()
+    keyless = ModelStore(state_dir, trusted_keys=[])
+    try:
+        with pytest.raises(StoreError, match="pass --pubkey or set trust.public_keys"):
+            keyless.load(MODEL_NAME, 3)
+    finally:
+        keyless.close()
+
+
 def test_load_of_a_version_that_is_not_installed(store: ModelStore) -> None:
     with pytest.raises(StoreError, match="not installed"):
         store.load(MODEL_NAME, 1)

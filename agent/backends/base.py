@@ -95,8 +95,9 @@ class TensorInfo:
         if len(shape) != len(expected) or any(
             want not in (-1, got) or got <= 0 for want, got in zip(expected, shape)
         ):
-            raise InputError("input shape does not match the model", input=self.name,
-                             expected=["batch", *expected], found=list(shape))
+            raise InputError("input shape does not match the model (shapes per sample, "
+                             "without the batch axis)", input=self.name,
+                             expected=list(expected), found=list(shape))
         if self.limits is not None:
             low, high = self.limits
             if any(not lo <= got <= hi for lo, got, hi in zip(low, shape, high)):
