@@ -57,22 +57,46 @@ def node_counts(model: Any) -> dict[str, int]:
     return dict(Counter(node.op_type for node in model.graph.node).most_common())
 
 
-def check_single_output(model: Any, example: Any) -> None:
-    """Refuse a model that does not return one tensor: the bundle, the evaluator and the daemon
-    all handle a single output."""
+def output_names(model: Any, example: Any, single_name: str = OUTPUT_NAME) -> list[str]:
+    """The ONNX output names for what ``model`` returns on ``example``: ``single_name`` for one
+    tensor, ``output_0``, ``output_1``, ... for a tuple or list of tensors, the keys for a dict of
+    tensors (in its order, as the exporter flattens it). Anything else is refused in one line."""
     import torch
 
     with torch.no_grad():
         try:
             output = model(example[:1])
         except Exception as exc:  # noqa: BLE001 - any model error, named in one line
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
             raise ModelError(f"the model fails on the example input {tuple(example.shape)}: "
-                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                             ) from exc
-    if not isinstance(output, torch.Tensor):
-        raise ModelError("the model must return one tensor (several outputs are not supported): "
-                         "wrap it in a module whose forward returns the output to deploy",
+                             f"{type(exc).__name__}: {first_line}") from exc
+    if isinstance(output, torch.Tensor):
+        return [single_name]
+    if isinstance(output, dict):
+        names = list(output)
+        values = list(output.values())
+        if not all(isinstance(name, str) and name.isidentifier() for name in names):
+            raise ModelError("a model returning a dict needs identifier-like string keys (they "
+                             "name the ONNX outputs)", found=[str(name) for name in names])
+    elif isinstance(output, (tuple, list)):
+        names = [f"output_{index}" for index in range(len(output))]
+        values = list(output)
+    else:
+        names, values = [], []
+    if not values or not all(isinstance(value, torch.Tensor) for value in values):
+        raise ModelError("the model must return a tensor, or a tuple, list or dict of tensors "
+                         "(nested or non-tensor outputs are not supported)",
                          found=type(output).__name__)
+    return names
+
+
+def flat_outputs(output: Any) -> list[Any]:
+    """A model's result as a list of tensors, in the order of :func:`output_names`."""
+    if isinstance(output, dict):
+        return list(output.values())
+    if isinstance(output, (tuple, list)):
+        return list(output)
+    return [output]
 
 
 def accepts_any_size(model: Any, example: Any) -> bool:
@@ -89,11 +113,11 @@ def accepts_any_size(model: Any, example: Any) -> bool:
     )
     with torch.no_grad():
         try:
-            reference = model(example[:1])
-            other = model(probe)
+            reference = flat_outputs(model(example[:1]))
+            other = flat_outputs(model(probe))
         except Exception:  # any failure at another size means "fixed size"
             return False
-    return bool(reference.shape == other.shape)
+    return [tensor.shape for tensor in reference] == [tensor.shape for tensor in other]
 
 
 def clean_onnx(model: Any) -> Any:
@@ -136,7 +160,7 @@ def export_onnx(
         raise ModelError(f"opset must be >= {MIN_OPSET}", found=opset)
     started = time.perf_counter()
     model = model.eval()
-    check_single_output(model, example)
+    names = output_names(model, example, output_name)
     dynamic_spatial = accepts_any_size(model, example)
     axes: dict[int, str] = {0: "batch"}
     if dynamic_spatial:
@@ -154,8 +178,8 @@ def export_onnx(
                 dynamo=False,
                 opset_version=opset,
                 input_names=[input_name],
-                output_names=[output_name],
-                dynamic_axes={input_name: axes, output_name: {0: "batch"}},
+                output_names=names,
+                dynamic_axes={input_name: axes, **{name: {0: "batch"} for name in names}},
                 do_constant_folding=False,
             )
         except Exception as exc:
@@ -215,30 +239,39 @@ def compare_with_torch(
     from models.ort import create_session
 
     session = create_session(model_bytes)
+    names = [output.name for output in session.get_outputs()]
     checks = []
     worst = 0.0
     for batch in batches:
         with torch.no_grad():
-            expected = model(torch.from_numpy(batch)).numpy()
-        actual = session.run(None, {input_name: batch})[0]
-        if actual.shape != expected.shape:
-            raise ModelError(
-                "ONNX output shape differs from PyTorch",
-                input_shape=batch.shape,
-                expected=expected.shape,
-                found=actual.shape,
-            )
-        error = np.abs(actual - expected)
-        max_error = float(error.max())
+            expected_outputs = [tensor.numpy() for tensor in flat_outputs(model(torch.from_numpy(batch)))]
+        actual_outputs = session.run(None, {input_name: batch})
+        if len(actual_outputs) != len(expected_outputs):
+            raise ModelError("the ONNX model has a different number of outputs than PyTorch",
+                             expected=len(expected_outputs), found=len(actual_outputs))
+        max_error = 0.0
+        for name, actual, expected in zip(names, actual_outputs, expected_outputs):
+            if actual.shape != expected.shape:
+                raise ModelError(
+                    "ONNX output shape differs from PyTorch",
+                    output=name,
+                    input_shape=batch.shape,
+                    expected=expected.shape,
+                    found=actual.shape,
+                )
+            error = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+            output_error = float(error.max()) if error.size else 0.0
+            max_error = max(max_error, output_error)
+            allowed = atol + rtol * np.abs(expected.astype(np.float64))
+            if np.any(error > allowed):
+                raise ModelError(
+                    "ONNX output differs from PyTorch beyond tolerance",
+                    output=name,
+                    input_shape=batch.shape,
+                    max_abs_error=f"{output_error:.3g}",
+                    atol=atol,
+                    rtol=rtol,
+                )
         worst = max(worst, max_error)
-        allowed = atol + rtol * np.abs(expected)
         checks.append({"input_shape": list(batch.shape), "max_abs_error": max_error})
-        if np.any(error > allowed):
-            raise ModelError(
-                "ONNX output differs from PyTorch beyond tolerance",
-                input_shape=batch.shape,
-                max_abs_error=f"{max_error:.3g}",
-                atol=atol,
-                rtol=rtol,
-            )
     return checks, worst

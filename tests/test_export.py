@@ -98,21 +98,46 @@ def test_comparison_catches_a_graph_that_disagrees_with_torch():
 
 
 class _TwoOutputs(nn.Module):
-    def __init__(self, as_dict: bool) -> None:
+    def __init__(self, kind: str) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.as_dict = as_dict
+        self.kind = kind
 
     def forward(self, x):
-        features = self.conv(x)
-        logits = features.mean(dim=(2, 3))
-        return {"logits": logits, "features": features} if self.as_dict else (logits, features)
+        features = self.conv(x).amax(dim=(2, 3))  # same shape at any input size
+        logits = features.softmax(dim=1)
+        if self.kind == "dict":
+            return {"logits": logits, "features": features}
+        if self.kind == "nested":
+            return logits, (features, features)
+        if self.kind == "with a number":
+            return logits, 3
+        return logits, features
 
 
-@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
-def test_a_model_with_several_outputs_is_refused_in_one_line(as_dict):
+@pytest.mark.parametrize("kind, names", [("tuple", ["output_0", "output_1"]),
+                                         ("dict", ["logits", "features"])])
+def test_a_model_with_several_outputs_exports_them_all(kind, names):
+    model = _TwoOutputs(kind)
+    example = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    result = export_onnx(model, example)
+    assert list(result.output_names) == names
+    assert result.dynamic_spatial
+    session = create_session(result.model_bytes)
+    batch = torch.randn(3, 3, 24, 20, generator=torch.Generator().manual_seed(1))
+    logits, features = session.run(None, {"input": batch.numpy()})
+    with torch.no_grad():
+        expected = model(batch)
+    expected_logits, expected_features = (expected["logits"], expected["features"]) \
+        if kind == "dict" else expected
+    np.testing.assert_allclose(logits, expected_logits.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(features, expected_features.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["nested", "with a number"])
+def test_outputs_that_are_not_tensors_are_refused_in_one_line(kind):
     with pytest.raises(ModelError) as caught:
-        export_onnx(_TwoOutputs(as_dict), torch.zeros(2, 3, 16, 16))
+        export_onnx(_TwoOutputs(kind), torch.zeros(2, 3, 16, 16))
     message = str(caught.value)
-    assert "must return one tensor" in message and "\n" not in message
-    assert ("dict" if as_dict else "tuple") in message
+    assert "must return a tensor, or a tuple, list or dict of tensors" in message
+    assert "\n" not in message

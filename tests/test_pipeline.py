@@ -310,6 +310,47 @@ def test_build_from_a_user_pytorch_model(tmp_path, keys, digits_onnx):
     assert report["export"]["dynamic_spatial"]
 
 
+def make_two_headed_cnn():
+    """A user model with two outputs (a dict): logits and class probabilities."""
+    from torch import nn
+
+    class TwoHeaded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = make_small_cnn()
+
+        def forward(self, x):
+            logits = self.body(x)
+            return {"logits": logits, "probabilities": logits.softmax(dim=1)}
+
+    return TwoHeaded()
+
+
+def test_build_from_a_user_model_with_two_outputs(tmp_path, keys, digits_onnx):
+    from models.checkpoints import load_example
+
+    _, calib = digits_onnx
+    model = make_two_headed_cnn()
+    model.body.load_state_dict(load_example(MODEL).state_dict())
+    checkpoint = tmp_path / "two.pt"
+    torch.save(model.state_dict(), checkpoint)
+    out = tmp_path / "out"
+    assert main(["build", "--user-model", "tests.test_pipeline:make_two_headed_cnn",
+                 "--checkpoint", str(checkpoint), "--calib-dir", str(calib), "--key", str(keys),
+                 "--out", str(out), "--calib-samples", "96"]) == 0
+    bundle = open_bundle(out / "make_two_headed_cnn-1.bundle", [load_public_key(Path(f"{keys}.pub"))])
+    assert [output["name"] for output in bundle.manifest["outputs"]] == ["logits", "probabilities"]
+    # Both run in the INT8 model, and the first one is what the budget judged.
+    from models.ort import create_session
+
+    extracted = bundle.extract(tmp_path / "installed")
+    images = np.load(sorted(calib.glob("*.npy"))[0])[None]
+    logits, probabilities = create_session(extracted / "model.onnx").run(None, {"input": images})
+    assert logits.shape == probabilities.shape == (1, 10)
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-3)
+    assert int(logits.argmax()) == int(probabilities.argmax())
+
+
 def test_user_checkpoint_that_does_not_fit_is_refused(tmp_path, keys, digits_onnx, capsys):
     from models.zoo.small_cnn import SmallCNN
 
