@@ -354,7 +354,7 @@ def _build(options: BuildOptions) -> BuildResult:
         else:
             float_bytes, evaluator, calibration, meta = stages.run(
                 "prepare PyTorch model", _from_torch, options, report, stages)
-        name = options.name or meta["name"]
+        name = _planned_name(options)
         version = options.version or next_version(options.out_dir, name)
         bundle_path = options.out_dir / f"{name}-{version}.bundle"
         if bundle_path.exists():
@@ -490,7 +490,6 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
     evaluator = Evaluator({exported.input_name: held_out.images}, held_out.labels,
                           threads=options.threads)
     meta = {
-        "name": spec.name,
         "source": {"kind": "zoo", "model": spec.name},
         "dataset": f"digits held-out split ({len(held_out)} images, {spec.train_size}x{spec.train_size})",
         "fp32_torch_metric": fp32_top1,
@@ -529,7 +528,6 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
                                  preprocessing=options.calib_preprocess)
     evaluator = _agreement_evaluator(exported.model_bytes, calibration, options.threads)
     meta = {
-        "name": _slug(options.user_model.split(":")[-1]),
         "source": {"kind": "pytorch", "model": options.user_model,
                    "checkpoint": str(options.checkpoint) if options.checkpoint else None},
         "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
@@ -566,7 +564,6 @@ def _from_onnx(options: BuildOptions, report: dict[str, Any]):
     evaluator = _agreement_evaluator(float_bytes, calibration, options.threads)
     first = inputs[0]
     meta = {
-        "name": _slug(options.onnx.stem),
         "source": {"kind": "onnx", "path": str(options.onnx)},
         "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
         "preprocessing": calibration.preprocessing,
