@@ -100,10 +100,17 @@ def flat_outputs(output: Any) -> list[Any]:
 
 
 def accepts_any_size(model: Any, example: Any) -> bool:
-    """Whether ``model`` runs at another spatial size with an output of the same shape.
+    """Whether ``model`` runs at another spatial size (see :func:`output_size_axes`)."""
+    return output_size_axes(model, example) is not None
 
-    Fully convolutional models with a global pool (like the example ResNet-18) do; models with a
-    flatten straight into a linear layer do not, and are exported with a fixed height and width.
+
+def output_size_axes(model: Any, example: Any) -> list[dict[int, str]] | None:
+    """Run ``model`` at another height and width: None when it cannot (a flatten straight into a
+    linear layer: exported with a fixed size), else, per output, the axes that followed the input
+    size (a segmentation map's height and width), which are exported as dynamic.
+
+    Fully convolutional classifiers with a global pool (like the example ResNet-18) keep every
+    output axis; dense heads keep their channels and follow the input in height and width.
     """
     import torch
 
@@ -116,8 +123,14 @@ def accepts_any_size(model: Any, example: Any) -> bool:
             reference = flat_outputs(model(example[:1]))
             other = flat_outputs(model(probe))
         except Exception:  # any failure at another size means "fixed size"
-            return False
-    return [tensor.shape for tensor in reference] == [tensor.shape for tensor in other]
+            return None
+    axes: list[dict[int, str]] = []
+    for index, (ref, alt) in enumerate(zip(reference, other)):
+        if ref.dim() != alt.dim():
+            return None
+        axes.append({axis: f"out{index}_dim{axis}" for axis in range(1, ref.dim())
+                     if ref.shape[axis] != alt.shape[axis]})
+    return axes
 
 
 def clean_onnx(model: Any) -> Any:
@@ -161,10 +174,13 @@ def export_onnx(
     started = time.perf_counter()
     model = model.eval()
     names = output_names(model, example, output_name)
-    dynamic_spatial = accepts_any_size(model, example)
+    size_axes = output_size_axes(model, example)
+    dynamic_spatial = size_axes is not None
     axes: dict[int, str] = {0: "batch"}
     if dynamic_spatial:
         axes.update({2: "height", 3: "width"})
+    output_axes = {name: {0: "batch", **(size_axes[index] if size_axes else {})}
+                   for index, name in enumerate(names)}
     buffer = io.BytesIO()
     with warnings.catch_warnings(), torch.no_grad():
         # The TorchScript exporter is deprecated in favour of dynamo export; see module docstring.
@@ -179,7 +195,7 @@ def export_onnx(
                 opset_version=opset,
                 input_names=[input_name],
                 output_names=names,
-                dynamic_axes={input_name: axes, **{name: {0: "batch"} for name in names}},
+                dynamic_axes={input_name: axes, **output_axes},
                 do_constant_folding=False,
             )
         except Exception as exc:

@@ -141,3 +141,30 @@ def test_outputs_that_are_not_tensors_are_refused_in_one_line(kind):
     message = str(caught.value)
     assert "must return a tensor, or a tuple, list or dict of tensors" in message
     assert "\n" not in message
+
+
+class _Segmenter(nn.Module):
+    """Encoder-decoder with a dense output that follows the input size (N x 4 x H x W)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU())
+        self.head = nn.Conv2d(8, 4, 1)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+
+    def forward(self, x):
+        return self.up(self.head(self.down(x)))
+
+
+def test_a_dense_output_that_follows_the_input_size_stays_dynamic():
+    model = _Segmenter().eval()
+    result = export_onnx(model, torch.zeros(2, 3, 32, 32))
+    assert result.dynamic_spatial
+    output = onnx.load_from_string(result.model_bytes).graph.output[0]
+    dims = [dim.dim_value or dim.dim_param for dim in output.type.tensor_type.shape.dim]
+    assert dims[1] == 4 and all(isinstance(dim, str) for dim in (dims[0], dims[2], dims[3]))
+    batch = torch.randn(3, 3, 48, 40, generator=torch.Generator().manual_seed(2))
+    (segmentation,) = create_session(result.model_bytes).run(None, {"input": batch.numpy()})
+    with torch.no_grad():
+        np.testing.assert_allclose(segmentation, model(batch).numpy(), rtol=1e-4, atol=1e-5)
+    assert segmentation.shape == (3, 4, 48, 40)
