@@ -51,6 +51,9 @@ def load_onnx(path: Path) -> Any:
     try:
         model = onnx.load(str(path))
     except Exception as exc:  # protobuf's DecodeError and friends
+        if "should be stored in" in str(exc):  # onnx names the external data file it lacks
+            raise ModelError(f"the model's external data cannot be read (keep the data file "
+                             f"beside the .onnx file): {exc}", path=path) from exc
         raise ModelError(f"not a readable ONNX model (corrupt or truncated?): {exc}", path=path) from exc
     if not model.graph.node:
         raise ModelError("ONNX model has no nodes (empty or truncated file?)", path=path)
@@ -118,3 +121,40 @@ def io_specs(model: Any) -> tuple[list[TensorSpec], list[TensorSpec]]:
     if not inputs:
         raise ModelError("ONNX model has no inputs")
     return inputs, outputs
+
+
+NCHW_TO_NHWC_PERMS = ((0, 3, 1, 2),)  # the Transpose an NHWC graph (tf2onnx) starts with
+
+
+def image_layout(model: Any, spec: TensorSpec) -> str | None:
+    """``"NCHW"`` or ``"NHWC"`` for a 4-D input, None for other ranks.
+
+    A graph that transposes the input to channels-first straight away (as tf2onnx exports do) is
+    NHWC; otherwise the axis holding a fixed channel count decides (NCHW when axis 1 is fixed and
+    axis 3 is not, or is much larger, NHWC the other way round; NCHW when it cannot be told).
+
+    Raises:
+        ModelError: neither axis 1 nor axis 3 is fixed, so no axis can be the channels.
+    """
+    if len(spec.shape) != 4:
+        return None
+    _, consumers = graph_links(model.graph)
+    for node in consumers.get(spec.name, []):
+        if node.op_type == "Transpose":
+            perm = next((tuple(attribute.ints) for attribute in node.attribute
+                         if attribute.name == "perm"), ())
+            if perm in NCHW_TO_NHWC_PERMS:
+                return "NHWC"
+    second, last = spec.shape[1], spec.shape[3]
+    if second < 0 and last < 0:
+        raise ModelError("4-D input has no fixed channel axis (axis 1 for NCHW, axis 3 for NHWC); "
+                         "export it with a fixed channel count", input=spec.name,
+                         found=list(spec.shape))
+    if second < 0 or (0 < last <= 4 < second):
+        return "NHWC"
+    return "NCHW"
+
+
+def spatial_axes(layout: str | None) -> tuple[int, int] | None:
+    """The (height, width) axes of a 4-D input of ``layout``."""
+    return {"NCHW": (2, 3), "NHWC": (1, 2)}.get(layout or "")

@@ -189,15 +189,18 @@ def _remove_new_key(path: Path) -> None:
             written.unlink()
 
 
-def _speed(model_bytes: bytes, input_name: str, shape: tuple[int, ...], threads: int) -> float:
-    """Images per second of an ONNX model on this host (median latency over about a second)."""
+def _speed(model_bytes: bytes, inputs: dict[str, tuple[tuple[int, ...], str]],
+           threads: int) -> float:
+    """Images per second of an ONNX model on this host (median latency over about a second),
+    fed random inputs of the given shapes and dtypes."""
     from models.ort import create_session
     from models.timing import time_call
 
     session = create_session(model_bytes, threads=threads)
-    batch = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    latencies = time_call(lambda: session.run(None, {input_name: batch}), 1.0, 5)
-    return shape[0] / statistics.median(latencies)
+    rng = np.random.default_rng(0)
+    feed = {name: rng.standard_normal(shape).astype(dtype) for name, (shape, dtype) in inputs.items()}
+    latencies = time_call(lambda: session.run(None, feed), 1.0, 5)
+    return next(iter(inputs.values()))[0][0] / statistics.median(latencies)
 
 
 class _Stages:
@@ -428,7 +431,7 @@ def _manifest(name: str, version: int, quantized: QuantizeResult, engines: dict[
     return {
         "name": name,
         "version": version,
-        "inputs": [spec.to_manifest("NCHW" if len(spec.shape) == 4 else None) for spec in inputs],
+        "inputs": [spec.to_manifest(meta["layouts"].get(spec.name)) for spec in inputs],
         "outputs": [spec.to_manifest() for spec in outputs],
         "preprocessing": meta.get("preprocessing"),
         "precision": quantized.precision_plan(),
@@ -495,9 +498,7 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
         "fp32_torch_metric": fp32_top1,
         "pruned_torch_metric": pruned_top1,
         "preprocessing": digits_preprocessing(spec.train_size).to_dict(),
-        "input_name": exported.input_name,
-        "sample_shape": tuple(train_split.images.shape[1:]),
-        "dynamic_spatial": exported.dynamic_spatial,
+        **_input_meta(exported.model_bytes, calibration),
     }
     return exported.model_bytes, evaluator, calibration, meta
 
@@ -532,9 +533,7 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
                    "checkpoint": str(options.checkpoint) if options.checkpoint else None},
         "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
         "preprocessing": calibration.preprocessing,
-        "input_name": exported.input_name,
-        "sample_shape": tuple(example.shape[1:]),
-        "dynamic_spatial": exported.dynamic_spatial,
+        **_input_meta(exported.model_bytes, calibration),
     }
     return exported.model_bytes, evaluator, calibration, meta
 
@@ -562,16 +561,36 @@ def _from_onnx(options: BuildOptions, report: dict[str, Any]):
     }
     float_bytes = cleaned.SerializeToString()
     evaluator = _agreement_evaluator(float_bytes, calibration, options.threads)
-    first = inputs[0]
     meta = {
         "source": {"kind": "onnx", "path": str(options.onnx)},
         "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
         "preprocessing": calibration.preprocessing,
-        "input_name": first.name,
-        "sample_shape": tuple(calibration.arrays[first.name].shape[1:]),
-        "dynamic_spatial": len(first.shape) == 4 and first.shape[2] == -1 and first.shape[3] == -1,
+        **_input_meta(raw, calibration),
     }
     return float_bytes, evaluator, calibration, meta
+
+
+def _input_meta(model: Any, calibration: CalibrationSet) -> dict[str, Any]:
+    """What later stages need to know about the model's inputs: names, dtypes and one sample's
+    shape each (from the calibration set), each 4-D input's layout, and which of the first
+    input's height and width are dynamic (they get engine profile ranges)."""
+    import onnx
+
+    from models.onnx_model import image_layout, io_specs, spatial_axes
+
+    proto = onnx.load_from_string(model) if isinstance(model, bytes) else model
+    inputs, _ = io_specs(proto)
+    layouts = {spec.name: image_layout(proto, spec) for spec in inputs}
+    first = inputs[0]
+    axes = spatial_axes(layouts[first.name]) or ()
+    return {
+        "input_name": first.name,
+        "inputs": [(spec.name, spec.dtype, tuple(calibration.arrays[spec.name].shape[1:]))
+                   for spec in inputs],
+        "layouts": layouts,
+        "dynamic_hw": [axis_name for axis_name, axis in zip(("height", "width"), axes)
+                       if first.shape[axis] < 0],
+    }
 
 
 def _export_report(exported: Any) -> dict[str, Any]:
@@ -633,17 +652,31 @@ def _accuracy_report(result: QuantizeResult, meta: dict[str, Any],
     return accuracy
 
 
+def _speed_inputs(meta: dict[str, Any], options: BuildOptions) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every input's batch shape and dtype for the speed check: ``opt_batch`` samples of the
+    calibration samples' shape, the first input's dynamic height and width at ``speed_size``."""
+    from models.onnx_model import spatial_axes
+
+    feeds = {}
+    for name, dtype, sample_shape in meta["inputs"]:
+        shape = [options.opt_batch, *sample_shape]
+        if name == meta["input_name"]:
+            axes = spatial_axes(meta["layouts"].get(name)) or ()
+            for axis_name, axis in zip(("height", "width"), axes):
+                if axis_name in meta["dynamic_hw"]:
+                    shape[axis] = options.speed_size
+        feeds[name] = (tuple(shape), dtype)
+    return feeds
+
+
 def _speed_report(float_bytes: bytes, int8_bytes: bytes, meta: dict[str, Any],
                   options: BuildOptions) -> dict[str, Any]:
-    sample_shape = meta["sample_shape"]
-    if meta["dynamic_spatial"] and len(sample_shape) == 3:
-        sample_shape = (sample_shape[0], options.speed_size, options.speed_size)
-    shape = (options.opt_batch, *sample_shape)
-    fp32 = _speed(float_bytes, meta["input_name"], shape, options.threads)
-    int8 = _speed(int8_bytes, meta["input_name"], shape, options.threads)
+    feeds = _speed_inputs(meta, options)
+    fp32 = _speed(float_bytes, feeds, options.threads)
+    int8 = _speed(int8_bytes, feeds, options.threads)
     return {
         "where": f"this host's CPU, ONNX Runtime, {options.threads} threads",
-        "input_shape": list(shape),
+        "input_shape": list(feeds[meta["input_name"]][0]),
         "fp32_img_s": round(fp32, 2),
         "int8_img_s": round(int8, 2),
         "int8_speedup": round(int8 / fp32, 2),
@@ -658,11 +691,17 @@ def _engine_profile(meta: dict[str, Any], options: BuildOptions) -> dict[str, li
     """The shape ranges a TensorRT engine for this bundle is built for: batch from 1 to
     ``max_batch`` tuned at ``opt_batch`` and, for models that take any image size, height and width
     from the training size to twice the deployment size, tuned at the deployment size."""
+    from models.onnx_model import spatial_axes
+
     profile = {"batch": [1, options.opt_batch, options.max_batch]}
-    if meta["dynamic_spatial"]:
-        smallest = int(min(meta["sample_shape"][-2:]))
-        spatial = [min(smallest, options.speed_size), options.speed_size, 2 * options.speed_size]
-        profile.update({"height": spatial, "width": list(spatial)})
+    name = meta["input_name"]
+    sample_shape = next(shape for input_name, _, shape in meta["inputs"] if input_name == name)
+    axes = spatial_axes(meta["layouts"].get(name)) or ()
+    for axis_name, axis in zip(("height", "width"), axes):
+        if axis_name in meta["dynamic_hw"]:
+            trained = int(sample_shape[axis - 1])  # the sample has no batch axis
+            profile[axis_name] = [min(trained, options.speed_size), options.speed_size,
+                                  2 * options.speed_size]
     return profile
 
 

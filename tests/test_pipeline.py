@@ -521,3 +521,139 @@ def test_sigterm_during_a_build_removes_its_staging_directory(tmp_path, keys, di
     assert process.returncode == 128 + signal.SIGTERM, err
     assert "terminated" in err
     assert not out.exists()  # staging removed, and the directory the build made with it
+
+
+# --- ONNX models from elsewhere: layouts and inputs ---------------------------------------------
+
+
+def _export(model, inputs: dict[str, tuple[int, ...]], dynamic: dict[str, dict[int, str]],
+            path: Path) -> Path:
+    """Export ``model`` the way other tools do (plain torch.onnx.export, no clean-up)."""
+    model.eval()
+    examples = tuple(torch.randn(shape) for shape in inputs.values())
+    torch.onnx.export(model, examples, str(path), dynamo=False, opset_version=17,
+                      input_names=list(inputs), output_names=["scores"],
+                      dynamic_axes={**dynamic, "scores": {0: "batch"}})
+    return path
+
+
+class _ChannelsLast(torch.nn.Module):
+    """An NHWC model as tf2onnx exports one: it transposes to channels-first first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        features = torch.relu(self.conv(x.permute(0, 3, 1, 2)))
+        return self.head(features.mean(dim=(2, 3)))
+
+
+def _samples(directory: Path, shape: tuple[int, ...], count: int = 48) -> Path:
+    rng = np.random.default_rng(0)
+    return write_samples(directory, rng.standard_normal((count, *shape)).astype(np.float32))
+
+
+def test_an_nhwc_model_is_described_as_nhwc_with_ranges_on_its_height_and_width(tmp_path, keys):
+    from models.tensorrt_builder import EngineBuildConfig, profile_shapes
+
+    torch.manual_seed(0)
+    model = _export(_ChannelsLast(), {"image": (2, 32, 32, 3)},
+                    {"image": {0: "batch", 1: "height", 2: "width"}}, tmp_path / "nhwc.onnx")
+    out = tmp_path / "out"
+    assert main(["build", "--onnx", str(model), "--calib-dir", str(_samples(tmp_path / "c", (32, 32, 3))),
+                 "--key", str(keys), "--out", str(out), "--calib-samples", "48",
+                 "--accuracy-budget", "5"]) == 0
+    manifest = inspect_bundle(out / "nhwc-1.bundle")["manifest"]
+    assert manifest["inputs"][0]["layout"] == "NHWC"
+    profile = manifest["engine_profile"]
+    assert profile["height"] == profile["width"] == [32, 224, 448]
+    report = json.loads((out / "report.json").read_text())
+    assert report["speed"]["input_shape"] == [8, 224, 224, 3]  # timed at the deployment size
+    # What a board does with it: the ranges land on axes 1 and 2 of the NHWC input.
+    config = EngineBuildConfig(opt_batch=8, max_batch=32, layout="NHWC",
+                               **{f"{end}_{axis}": value for axis in ("height", "width")
+                                  for end, value in zip(("min", "opt", "max"), profile[axis])})
+    ranges, _ = profile_shapes({"image": [-1, -1, -1, 3]}, config)
+    assert ranges["image"].max == (32, 448, 448, 3)
+
+
+def test_a_model_with_only_a_dynamic_height_gets_a_height_range(tmp_path, keys):
+    model = _export(SmallCNNForExport(), {"input": (2, 3, 32, 32)},
+                    {"input": {0: "batch", 2: "height"}}, tmp_path / "tall.onnx")
+    out = tmp_path / "out"
+    assert main(["build", "--onnx", str(model), "--calib-dir", str(_samples(tmp_path / "c", (3, 32, 32))),
+                 "--key", str(keys), "--out", str(out), "--calib-samples", "48",
+                 "--accuracy-budget", "5"]) == 0
+    manifest = inspect_bundle(out / "tall-1.bundle")["manifest"]
+    assert manifest["inputs"][0]["layout"] == "NCHW"
+    assert manifest["engine_profile"]["height"] == [32, 224, 448]
+    assert "width" not in manifest["engine_profile"]
+
+
+def SmallCNNForExport():  # noqa: N802 - reads as the class it builds
+    from models.zoo.small_cnn import SmallCNN
+
+    torch.manual_seed(0)
+    return SmallCNN(num_classes=10)
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.mix = torch.nn.Linear(8 + 4, 5)
+
+    def forward(self, image, extra):
+        pooled = torch.relu(self.conv(image)).mean(dim=(2, 3))
+        return self.mix(torch.cat([pooled, extra], dim=1))
+
+
+def test_a_model_with_two_inputs_builds_from_npz_samples(tmp_path, keys):
+    torch.manual_seed(0)
+    model = _export(_TwoInputs(), {"image": (2, 3, 32, 32), "extra": (2, 4)},
+                    {"image": {0: "batch"}, "extra": {0: "batch"}}, tmp_path / "two.onnx")
+    calib = tmp_path / "c"
+    calib.mkdir()
+    rng = np.random.default_rng(0)
+    for index in range(48):
+        np.savez(calib / f"{index:03d}.npz", image=rng.standard_normal((3, 32, 32)).astype(np.float32),
+                 extra=rng.standard_normal(4).astype(np.float32))
+    out = tmp_path / "out"
+    assert main(["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
+                 "--out", str(out), "--calib-samples", "48", "--accuracy-budget", "5"]) == 0
+    manifest = inspect_bundle(out / "two-1.bundle")["manifest"]
+    assert [(entry["name"], entry.get("layout")) for entry in manifest["inputs"]] == [
+        ("image", "NCHW"), ("extra", None)]
+    assert json.loads((out / "report.json").read_text())["speed"]["int8_img_s"] > 0
+
+
+def test_a_4d_input_without_a_fixed_channel_axis_is_refused(tmp_path, keys, capsys):
+    model = _export(SmallCNNForExport(), {"input": (2, 3, 32, 32)},
+                    {"input": {0: "batch", 1: "channels", 2: "height", 3: "width"}},
+                    tmp_path / "nochannels.onnx")
+    err = _fails(["build", "--onnx", str(model), "--calib-dir",
+                  str(_samples(tmp_path / "c", (3, 32, 32))), "--key", str(keys),
+                  "--out", str(tmp_path / "out")], capsys)
+    assert "4-D input has no fixed channel axis" in err
+    assert _outputs(tmp_path / "out") == set()
+
+
+def test_missing_external_data_is_named_as_such(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from agent.errors import ModelError
+    from models.onnx_model import load_onnx
+
+    weight = numpy_helper.from_array(np.ones((8, 3, 3, 3), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save_model(model, str(tmp_path / "m.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="m.data", size_threshold=0)
+    (tmp_path / "m.data").unlink()
+    with pytest.raises(ModelError, match="external data cannot be read"):
+        load_onnx(tmp_path / "m.onnx")
