@@ -529,11 +529,15 @@ def test_sigterm_during_a_build_removes_its_staging_directory(tmp_path, keys, di
 def _export(model, inputs: dict[str, tuple[int, ...]], dynamic: dict[str, dict[int, str]],
             path: Path) -> Path:
     """Export ``model`` the way other tools do (plain torch.onnx.export, no clean-up)."""
+    import warnings
+
     model.eval()
     examples = tuple(torch.randn(shape) for shape in inputs.values())
-    torch.onnx.export(model, examples, str(path), dynamo=False, opset_version=17,
-                      input_names=list(inputs), output_names=["scores"],
-                      dynamic_axes={**dynamic, "scores": {0: "batch"}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's notice
+        torch.onnx.export(model, examples, str(path), dynamo=False, opset_version=17,
+                          input_names=list(inputs), output_names=["scores"],
+                          dynamic_axes={**dynamic, "scores": {0: "batch"}})
     return path
 
 
