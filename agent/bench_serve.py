@@ -42,7 +42,9 @@ class ServeBenchOptions:
     bundle: Path
     public_keys: tuple[Path, ...]
     config: Path | None = None
-    input_size: int = 224
+    # Height and width of the frames; None: 224 for models that take any size, the model's own
+    # size for fixed-size models (a size given for those must be theirs).
+    input_size: int | None = None
     concurrency: tuple[int, ...] = (1, 4, 16, 64)
     duration_s: float = 10.0
     warmup_s: float = 2.0
@@ -52,7 +54,7 @@ class ServeBenchOptions:
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.input_size < 8:
+        if self.input_size is not None and self.input_size < 8:
             raise ConfigError("input size too small", key="--input-size", found=self.input_size)
         if not self.concurrency or min(self.concurrency) < 1:
             raise ConfigError("concurrency levels must be >= 1", key="--concurrency",
@@ -107,19 +109,35 @@ class CpuMeter:
                 "client_cpu_percent": 100 * (self._at[2] - client) / elapsed}
 
 
-def _sample_shape(manifest: dict[str, Any], size: int) -> tuple[int, ...]:
+DEFAULT_INPUT_SIZE = 224
+
+
+def _sample_shape(manifest: dict[str, Any], size: int | None) -> tuple[int, ...]:
+    """One frame's shape: the model's input with its dynamic height and width at ``size``."""
     from agent.backends.base import frame_shape
 
-    declared = manifest["inputs"][0]["shape"]
-    shape = frame_shape(tuple(declared[1:]), size, size)
+    inputs = manifest["inputs"]
+    if len(inputs) != 1:
+        raise ConfigError("bench serve sends one image per request; this model has several "
+                          "inputs", inputs=[entry.get("name") for entry in inputs])
+    declared = inputs[0]["shape"]
+    shape = frame_shape(tuple(declared[1:]), size or DEFAULT_INPUT_SIZE,
+                        size or DEFAULT_INPUT_SIZE)
     if shape is None:
         raise ConfigError("the model's input has dynamic axes other than height and width",
                           shape=declared)
+    if size is not None and -1 not in declared[1:]:
+        fixed = tuple(declared[1:])
+        spatial = fixed[:2] if inputs[0].get("layout") == "NHWC" else fixed[-2:]
+        if spatial != (size, size):
+            raise ConfigError("the model takes frames of one size only; --input-size does not "
+                              "match it", key="--input-size", found=size, shape=list(fixed))
     return shape
 
 
-def _check_profile(manifest: dict[str, Any], size: int) -> None:
+def _check_profile(manifest: dict[str, Any], size: int | None) -> None:
     """The daemon refuses frames outside the bundle's engine profile: so does the benchmark."""
+    size = size or DEFAULT_INPUT_SIZE
     profile = manifest.get("engine_profile") or {}
     for axis in ("height", "width"):
         span = profile.get(axis)
@@ -264,6 +282,11 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
                 return entry
 
             def record(result: Any) -> None:
+                if result.completed == 0 and result.errors:
+                    # Nothing to measure, and every later level would fail alike.
+                    raise AgentError("every request failed at this concurrency; see the daemon's "
+                                     "log", concurrency=result.concurrency, errors=result.errors,
+                                     log=daemon.log_path.read_text(errors="replace")[-400:])
                 levels[str(result.concurrency)] = measured(result)
                 print(_format_level(f"c={result.concurrency}", levels[str(result.concurrency)]),
                       flush=True)
@@ -299,7 +322,8 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
             raise AgentError("the daemon exited with an error", status=status,
                              log=daemon.log_path.read_text(errors="replace")[-600:])
         policy = raw.policy
-        setup = {"backend": raw.backends[0].kind, "instances": len(raw.backends),
+        setup = {"input_shape": [1, *sample_shape],
+                 "backend": raw.backends[0].kind, "instances": len(raw.backends),
                  "max_batch_size": policy.max_batch_size,
                  "max_queue_delay_ms": policy.max_queue_delay_us / 1e3,
                  "preferred_batch_sizes": list(policy.preferred_batch_sizes)}
@@ -313,7 +337,7 @@ def summarize(setup: dict[str, Any], levels: dict[str, dict[str, Any]],
     full_batch_ms = statistics.median(entry["raw"]["full_batch_ms"] for entry in rounds)
     bound = setup["max_queue_delay_ms"] + 2 * full_batch_ms
     summary: dict[str, Any] = {
-        "input_shape": [1, 3, options.input_size, options.input_size],
+        "input_shape": setup["input_shape"],
         "setup": setup,
         "raw_backend_img_s": raw_img_s,
         "full_batch_compute_ms": full_batch_ms,

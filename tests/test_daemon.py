@@ -195,6 +195,7 @@ def test_bench_serve_runs_end_to_end(tmp_path: Path, signed: tuple[Path, Path, A
         duration_s=0.5, warmup_s=0.2, raw_min_time_s=0.1, rounds=1,
         overrides={"serving.backend": "onnxruntime"}))
     assert summary["raw_backend_img_s"] > 0
+    assert summary["input_shape"] == [1, 3, 16, 16]
     for level in ("1", "4"):
         entry = summary["concurrency"][level]
         assert entry["completed"] > 0 and entry["errors"] == {}
@@ -324,3 +325,34 @@ def test_sigterm_while_starting_ends_the_start_and_frees_the_store(
         assert current is not None and store.load(current.name, current.version)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("inputs, size, expected", [
+    ([{"name": "x", "shape": [-1, 3, -1, -1], "layout": "NCHW"}], None, (3, 224, 224)),
+    ([{"name": "x", "shape": [-1, 3, -1, -1], "layout": "NCHW"}], 64, (3, 64, 64)),
+    ([{"name": "x", "shape": [-1, -1, -1, 3], "layout": "NHWC"}], 64, (64, 64, 3)),
+    ([{"name": "x", "shape": [-1, 1, -1, -1], "layout": "NCHW"}], None, (1, 224, 224)),
+    ([{"name": "x", "shape": [-1, 3, 32, 32], "layout": "NCHW"}], None, (3, 32, 32)),
+    ([{"name": "x", "shape": [-1, 3, 32, 32], "layout": "NCHW"}], 32, (3, 32, 32)),
+    ([{"name": "x", "shape": [-1, 32, 32, 3], "layout": "NHWC"}], 32, (32, 32, 3)),
+])
+def test_bench_serve_frames_follow_the_models_input(inputs, size, expected) -> None:
+    from agent.bench_serve import _sample_shape
+
+    assert _sample_shape({"inputs": inputs}, size) == expected
+
+
+@pytest.mark.parametrize("inputs, size, message", [
+    ([{"name": "x", "shape": [-1, 3, 32, 32], "layout": "NCHW"}], 64,
+     "takes frames of one size only"),
+    ([{"name": "x", "shape": [-1, 16, 64, 64], "layout": "NCHW"}], 16,
+     "takes frames of one size only"),
+    ([{"name": "image", "shape": [-1, 3, 32, 32]}, {"name": "extra", "shape": [-1, 4]}], None,
+     "several inputs"),
+])
+def test_bench_serve_refuses_frames_it_cannot_send(inputs, size, message) -> None:
+    from agent.bench_serve import _sample_shape
+    from agent.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _sample_shape({"inputs": inputs}, size)
