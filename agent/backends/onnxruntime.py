@@ -59,19 +59,27 @@ def _tensor_info(node: Any) -> TensorInfo:
 
 
 def _with_profile_limits(info: TensorInfo, manifest: Mapping[str, Any]) -> TensorInfo:
-    """``info`` bounded by the bundle's ``engine_profile`` (height and width ``[min, opt, max]``
-    for inputs whose last two axes are dynamic), so that ONNX Runtime accepts the frame sizes a
-    TensorRT engine of the same bundle accepts, and no others."""
+    """``info`` bounded by the bundle's ``engine_profile`` (``height`` and ``width`` as
+    ``[min, opt, max]``, on the input's height and width axes as its ``layout`` places them:
+    NHWC or, by default, the last two), so that ONNX Runtime accepts the frame sizes a TensorRT
+    engine of the same bundle accepts, and no others."""
     profile = manifest.get("engine_profile")
     sample = info.sample_shape
-    if (not isinstance(profile, Mapping) or len(sample) < 2 or sample[-2:] != (-1, -1)
-            or not all(isinstance(profile.get(axis), list | tuple) and len(profile[axis]) == 3
-                       for axis in ("height", "width"))):
+    if not isinstance(profile, Mapping) or len(sample) < 2:
         return info
-    (h_low, _, h_high), (w_low, _, w_high) = profile["height"], profile["width"]
-    low = tuple(1 if dim < 0 else dim for dim in sample[:-2]) + (int(h_low), int(w_low))
-    high = tuple(sys.maxsize if dim < 0 else dim for dim in sample[:-2]) + (int(h_high), int(w_high))
-    return dataclasses.replace(info, limits=(low, high))
+    entry = next((tensor for tensor in manifest.get("inputs") or ()
+                  if isinstance(tensor, Mapping) and tensor.get("name") == info.name), {})
+    spatial = (0, 1) if entry.get("layout") == "NHWC" and len(sample) == 3 else (
+        len(sample) - 2, len(sample) - 1)
+    low = [1 if dim < 0 else dim for dim in sample]
+    high = [sys.maxsize if dim < 0 else dim for dim in sample]
+    bounded = False
+    for axis_name, axis in zip(("height", "width"), spatial):
+        span = profile.get(axis_name)
+        if sample[axis] < 0 and isinstance(span, list | tuple) and len(span) == 3:
+            low[axis], high[axis] = int(span[0]), int(span[2])
+            bounded = True
+    return dataclasses.replace(info, limits=(tuple(low), tuple(high))) if bounded else info
 
 
 def choose_providers(available: Sequence[str], wanted: Sequence[str] | None) -> list[str]:
