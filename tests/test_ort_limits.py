@@ -3,7 +3,6 @@ the bundle's engine profile bounds the input's height and width, wherever its la
 
 from __future__ import annotations
 
-
 import pytest
 
 from agent.backends.base import TensorInfo
