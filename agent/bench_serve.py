@@ -112,8 +112,10 @@ class CpuMeter:
 DEFAULT_INPUT_SIZE = 224
 
 
-def _sample_shape(manifest: dict[str, Any], size: int | None) -> tuple[int, ...]:
-    """One frame's shape: the model's input with its dynamic height and width at ``size``."""
+def _sample_shape(manifest: dict[str, Any], size: int | None, *,
+                  explicit: bool = True) -> tuple[int, ...]:
+    """One frame's shape: the model's input with its dynamic height and width at ``size``
+    (``explicit``: the operator asked for it, so a fixed-size model must have that size)."""
     from agent.backends.base import frame_shape
 
     inputs = manifest["inputs"]
@@ -126,13 +128,24 @@ def _sample_shape(manifest: dict[str, Any], size: int | None) -> tuple[int, ...]
     if shape is None:
         raise ConfigError("the model's input has dynamic axes other than height and width",
                           shape=declared)
-    if size is not None and -1 not in declared[1:]:
+    if explicit and size is not None and -1 not in declared[1:]:
         fixed = tuple(declared[1:])
         spatial = fixed[:2] if inputs[0].get("layout") == "NHWC" else fixed[-2:]
         if spatial != (size, size):
             raise ConfigError("the model takes frames of one size only; --input-size does not "
                               "match it", key="--input-size", found=size, shape=list(fixed))
     return shape
+
+
+def _default_size(manifest: dict[str, Any]) -> int:
+    """224, the typical deployed frame, unless the bundle's engine profile does not reach it:
+    then the profile's optimum height."""
+    profile = manifest.get("engine_profile") or {}
+    spans = [profile.get(axis) for axis in ("height", "width")]
+    spans = [span for span in spans if isinstance(span, list) and len(span) == 3]
+    if all(span[0] <= DEFAULT_INPUT_SIZE <= span[2] for span in spans):
+        return DEFAULT_INPUT_SIZE
+    return int(spans[0][1])
 
 
 def _check_profile(manifest: dict[str, Any], size: int | None) -> None:
@@ -247,14 +260,15 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
         finally:
             installer.close()  # the daemon process below takes the state directory
         manifest = dict(artifacts.manifest)
-        sample_shape = _sample_shape(manifest, options.input_size)
+        size = options.input_size or _default_size(manifest)
+        sample_shape = _sample_shape(manifest, size, explicit=options.input_size is not None)
         frame_bytes = 4 * math.prod(sample_shape)  # one FP32 frame per request
         if frame_bytes > config.http.max_body_bytes:
             raise ConfigError("one frame of this input size is larger than the daemon accepts "
                               "(http.max_body_bytes)", key="--input-size",
                               found=options.input_size, frame_bytes=frame_bytes,
                               limit=config.http.max_body_bytes)
-        _check_profile(manifest, options.input_size)
+        _check_profile(manifest, size)
         print(f"model {artifacts.name} v{artifacts.version}, frames "
               f"1x{'x'.join(map(str, sample_shape))}", flush=True)
         rng = np.random.default_rng(1)

@@ -356,3 +356,38 @@ def test_bench_serve_refuses_frames_it_cannot_send(inputs, size, message) -> Non
 
     with pytest.raises(ConfigError, match=message):
         _sample_shape({"inputs": inputs}, size)
+
+
+def test_bench_serve_stops_when_every_request_fails(tmp_path: Path,
+                                                    signed: tuple[Path, Path, Any]) -> None:
+    """A daemon that answers every request with an error (here: it wants a bearer token the load
+    generator does not send) stops the benchmark at the first level, with the error counts."""
+    from agent.bench_serve import ServeBenchOptions, run_bench
+    from agent.errors import AgentError
+
+    bundle, public_key, _ = signed
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-value\n")
+    token.chmod(0o600)
+    config = tmp_path / "agent.toml"
+    config.write_text(f'[http]\ntoken_file = "{token}"\n[serving]\nbackend = "onnxruntime"\n')
+    started = time.monotonic()
+    with pytest.raises(AgentError, match="every request failed") as caught:
+        run_bench(ServeBenchOptions(
+            bundle=bundle, public_keys=(public_key,), config=config, concurrency=(1, 4),
+            duration_s=0.5, warmup_s=0.2, raw_min_time_s=0.1, rounds=1))
+    assert caught.value.fields["concurrency"] == 1
+    assert set(caught.value.fields["errors"]) == {"http_401"}
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("profile, expected", [
+    ({"batch": [1, 8, 32], "height": [32, 224, 448], "width": [32, 224, 448]}, 224),
+    ({"batch": [1, 8, 32], "height": [8, 16, 64], "width": [8, 16, 64]}, 16),
+    ({"batch": [1, 8, 32]}, 224),
+    ({}, 224),
+])
+def test_bench_serve_frames_default_to_224_or_the_profiles_optimum(profile, expected) -> None:
+    from agent.bench_serve import _default_size
+
+    assert _default_size({"engine_profile": profile}) == expected

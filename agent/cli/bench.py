@@ -89,8 +89,9 @@ def register_serve(kinds: argparse._SubParsersAction) -> None:
                        help="daemon configuration (batching, backend, threads)")
     serve.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
     serve.add_argument("--input-size", type=int, metavar="PIXELS",
-                       help="height and width of the frames sent (default 224; a fixed-size "
-                            "model's own size)")
+                       help="height and width of the frames sent (default 224, or the engine "
+                            "profile's optimum when 224 is outside it; a fixed-size model's own "
+                            "size)")
     serve.add_argument("--concurrency", default="1,4,16,64", metavar="LIST")
     serve.add_argument("--duration", type=float, default=10.0, metavar="SECONDS",
                        help="measured window per level")
