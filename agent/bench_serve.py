@@ -266,7 +266,7 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
         if frame_bytes > config.http.max_body_bytes:
             raise ConfigError("one frame of this input size is larger than the daemon accepts "
                               "(http.max_body_bytes)", key="--input-size",
-                              found=options.input_size, frame_bytes=frame_bytes,
+                              found=size, frame_bytes=frame_bytes,
                               limit=config.http.max_body_bytes)
         _check_profile(manifest, size)
         print(f"model {artifacts.name} v{artifacts.version}, frames "
