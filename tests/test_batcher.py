@@ -68,6 +68,15 @@ def images(count: int, size: int = 16, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(count, 3, size, size)).astype(np.float32)
 
 
+async def occupy(batcher: Batcher, backend: GatedBackend, **submit: Any) -> Any:
+    """Hold the backend's gate shut and submit one request; return its future once the instance
+    is running it (and so is busy)."""
+    backend.gate.clear()
+    future = batcher.submit({"input": images(1)}, **submit)
+    await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+    return future
+
+
 def test_concurrent_requests_form_batches_with_correct_results(model_path: Path) -> None:
     recorder = Recorder()
     data = images(20)
@@ -205,9 +214,7 @@ def test_full_queue_rejects_at_once(model_path: Path) -> None:
         batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0,
                                                  max_queue_size=2), buffer_sets=1)
         batcher.start()
-        backend.gate.clear()
-        running = batcher.submit({"input": images(1)})
-        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        running = await occupy(batcher, backend)
         # The instance is busy with the first and has no spare buffer set: these two wait.
         queued = [batcher.submit({"input": images(1)}) for _ in range(2)]
         with pytest.raises(QueueFull):
@@ -227,9 +234,7 @@ def test_deadline_passes_in_the_queue(model_path: Path) -> None:
         batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0),
                           observer=recorder, buffer_sets=1)
         batcher.start()
-        backend.gate.clear()
-        first = batcher.submit({"input": images(1)})
-        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        first = await occupy(batcher, backend)
         late = batcher.submit({"input": images(1)}, timeout_us=30_000)
         with pytest.raises(DeadlineExceeded):
             await asyncio.wait_for(late, 2)
@@ -250,9 +255,7 @@ def test_higher_priority_runs_first(model_path: Path) -> None:
                                                  priority_levels=2, default_priority_level=2),
                           buffer_sets=1)
         batcher.start()
-        backend.gate.clear()
-        blocker = batcher.submit({"input": images(1)})
-        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        blocker = await occupy(batcher, backend)
         low = batcher.submit({"input": images(1)})
         high = batcher.submit({"input": images(1)}, priority=1)
         low.add_done_callback(lambda _: order.append("low"))
@@ -441,9 +444,7 @@ def test_a_staged_request_past_its_deadline_is_not_a_late_success(model_path: Pa
         batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0),
                           observer=recorder)  # two buffer sets: the second request is staged
         batcher.start()
-        backend.gate.clear()
-        first = batcher.submit({"input": images(1)})
-        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        first = await occupy(batcher, backend)
         staged_late = batcher.submit({"input": images(1)}, timeout_us=50_000)
         for _ in range(200):
             if backend.events.count("stage1") == 2:
@@ -468,9 +469,7 @@ def test_queue_time_runs_until_the_batch_starts(model_path: Path) -> None:
     async def main() -> Any:
         batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0))
         batcher.start()
-        backend.gate.clear()
-        first = batcher.submit({"input": images(1)})
-        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        first = await occupy(batcher, backend)
         second = batcher.submit({"input": images(1)})
         await asyncio.sleep(0.2)
         backend.gate.set()
@@ -489,9 +488,7 @@ def test_a_request_timeout_may_only_shorten_the_default(model_path: Path) -> Non
         batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0,
                                                  default_timeout_us=50_000), buffer_sets=1)
         batcher.start()
-        backend.gate.clear()
-        first = batcher.submit({"input": images(1)}, timeout_us=10_000_000)
-        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        first = await occupy(batcher, backend, timeout_us=10_000_000)
         started = time.monotonic()
         longer = batcher.submit({"input": images(1)}, timeout_us=10_000_000)
         with pytest.raises(DeadlineExceeded):
@@ -514,9 +511,7 @@ def test_a_cancelled_request_leaves_the_queue_at_once(model_path: Path) -> None:
                                                  max_queue_size=1), observer=recorder,
                           buffer_sets=1)
         batcher.start()
-        backend.gate.clear()
-        first = batcher.submit({"input": images(1)})
-        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
+        first = await occupy(batcher, backend)
         abandoned = batcher.submit({"input": images(1)})
         abandoned.cancel()  # what the HTTP layer does when the client goes away
         await asyncio.sleep(0.05)

@@ -1399,6 +1399,7 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
     class _ProgressMonitorProperty:
         # IBuilderConfig.progress_monitor came with TensorRT 10.0.
         __slots__ = ()
+
         @property
         def progress_monitor(self: Any) -> Any:
             return self._progress_monitor
@@ -1413,40 +1414,29 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
                                 "tensorrt.IProgressMonitor.__init__()")
             self._progress_monitor = value
 
+    class _OptimizationLevelProperty:
+        # IBuilderConfig.builder_optimization_level came with TensorRT 8.6.
+        __slots__ = ()
+
+        @property
+        def builder_optimization_level(self: Any) -> int:
+            return 3 if self._optimization_level is None else self._optimization_level
+
+        @builder_optimization_level.setter
+        def builder_optimization_level(self: Any, value: int) -> None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _incompatible("IBuilderConfig.builder_optimization_level", "value", value, "int")
+            self._optimization_level = value
+
+    # 8.5: neither; 8.6: an optimization level; 10.x and 11.x: both.
+    config_features: list[type] = []
     if major >= 10:
+        config_features.append(_ProgressMonitorProperty)
+    if has_optimization_level:
+        config_features.append(_OptimizationLevelProperty)
 
-        class IBuilderConfig(_ProgressMonitorProperty, _BuilderConfigBase):
-            __slots__ = ()
-
-            @property
-            def builder_optimization_level(self) -> int:
-                return 3 if self._optimization_level is None else self._optimization_level
-
-            @builder_optimization_level.setter
-            def builder_optimization_level(self, value: int) -> None:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise _incompatible("IBuilderConfig.builder_optimization_level", "value", value, "int")
-                self._optimization_level = value
-    elif has_optimization_level:
-
-        class IBuilderConfig(_BuilderConfigBase):  # type: ignore[no-redef]
-            # 8.6: an optimization level, no progress monitor.
-            __slots__ = ()
-
-            @property
-            def builder_optimization_level(self) -> int:
-                return 3 if self._optimization_level is None else self._optimization_level
-
-            @builder_optimization_level.setter
-            def builder_optimization_level(self, value: int) -> None:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise _incompatible("IBuilderConfig.builder_optimization_level", "value", value, "int")
-                self._optimization_level = value
-    else:
-
-        class IBuilderConfig(_BuilderConfigBase):  # type: ignore[no-redef]
-            # 8.5 has no builder optimization level (it came with 8.6).
-            __slots__ = ()
+    class IBuilderConfig(*config_features, _BuilderConfigBase):  # type: ignore[misc]
+        __slots__ = ()
 
     # -- builder -----------------------------------------------------------------------------------
     class Builder:
