@@ -559,44 +559,46 @@ def _samples(directory: Path, shape: tuple[int, ...], count: int = 48) -> Path:
     return write_samples(directory, rng.standard_normal((count, *shape)).astype(np.float32))
 
 
+def _build_onnx(model: Path, calib: Path, keys: Path, out: Path) -> dict:
+    """Build ``model`` (48 calibration samples, a 5-point budget: random weights) and return the
+    bundle's manifest."""
+    assert main(["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
+                 "--out", str(out), "--calib-samples", "48", "--accuracy-budget", "5"]) == 0
+    return inspect_bundle(out / f"{model.stem}-1.bundle")["manifest"]
+
+
 def test_an_nhwc_model_is_described_as_nhwc_with_ranges_on_its_height_and_width(tmp_path, keys):
-    from models.tensorrt_builder import EngineBuildConfig, profile_shapes
+    from agent.backends.base import ModelArtifacts
+    from agent.backends.tensorrt import engine_build_config
+    from models.tensorrt_builder import profile_shapes
 
     torch.manual_seed(0)
     model = _export(_ChannelsLast(), {"image": (2, 32, 32, 3)},
                     {"image": {0: "batch", 1: "height", 2: "width"}}, tmp_path / "nhwc.onnx")
     out = tmp_path / "out"
-    assert main(["build", "--onnx", str(model), "--calib-dir", str(_samples(tmp_path / "c", (32, 32, 3))),
-                 "--key", str(keys), "--out", str(out), "--calib-samples", "48",
-                 "--accuracy-budget", "5"]) == 0
-    manifest = inspect_bundle(out / "nhwc-1.bundle")["manifest"]
+    manifest = _build_onnx(model, _samples(tmp_path / "c", (32, 32, 3)), keys, out)
     assert manifest["inputs"][0]["layout"] == "NHWC"
     profile = manifest["engine_profile"]
     assert profile["height"] == profile["width"] == [32, 224, 448]
     report = json.loads((out / "report.json").read_text())
     assert report["speed"]["input_shape"] == [8, 224, 224, 3]  # timed at the deployment size
     # What a board does with it: the ranges land on axes 1 and 2 of the NHWC input.
-    config = EngineBuildConfig(opt_batch=8, max_batch=32, layout="NHWC",
-                               **{f"{end}_{axis}": value for axis in ("height", "width")
-                                  for end, value in zip(("min", "opt", "max"), profile[axis])})
-    ranges, _ = profile_shapes({"image": [-1, -1, -1, 3]}, config)
+    artifacts = ModelArtifacts(name="nhwc", version=1, directory=tmp_path, manifest=manifest,
+                               engine_cache_dir=tmp_path / "engines")
+    ranges, _ = profile_shapes({"image": [-1, -1, -1, 3]}, engine_build_config(artifacts, {}))
     assert ranges["image"].max == (32, 448, 448, 3)
 
 
 def test_a_model_with_only_a_dynamic_height_gets_a_height_range(tmp_path, keys):
-    model = _export(SmallCNNForExport(), {"input": (2, 3, 32, 32)},
+    model = _export(_small_cnn(), {"input": (2, 3, 32, 32)},
                     {"input": {0: "batch", 2: "height"}}, tmp_path / "tall.onnx")
-    out = tmp_path / "out"
-    assert main(["build", "--onnx", str(model), "--calib-dir", str(_samples(tmp_path / "c", (3, 32, 32))),
-                 "--key", str(keys), "--out", str(out), "--calib-samples", "48",
-                 "--accuracy-budget", "5"]) == 0
-    manifest = inspect_bundle(out / "tall-1.bundle")["manifest"]
+    manifest = _build_onnx(model, _samples(tmp_path / "c", (3, 32, 32)), keys, tmp_path / "out")
     assert manifest["inputs"][0]["layout"] == "NCHW"
     assert manifest["engine_profile"]["height"] == [32, 224, 448]
     assert "width" not in manifest["engine_profile"]
 
 
-def SmallCNNForExport():  # noqa: N802 - reads as the class it builds
+def _small_cnn():
     from models.zoo.small_cnn import SmallCNN
 
     torch.manual_seed(0)
@@ -625,16 +627,14 @@ def test_a_model_with_two_inputs_builds_from_npz_samples(tmp_path, keys):
         np.savez(calib / f"{index:03d}.npz", image=rng.standard_normal((3, 32, 32)).astype(np.float32),
                  extra=rng.standard_normal(4).astype(np.float32))
     out = tmp_path / "out"
-    assert main(["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
-                 "--out", str(out), "--calib-samples", "48", "--accuracy-budget", "5"]) == 0
-    manifest = inspect_bundle(out / "two-1.bundle")["manifest"]
+    manifest = _build_onnx(model, calib, keys, out)
     assert [(entry["name"], entry.get("layout")) for entry in manifest["inputs"]] == [
         ("image", "NCHW"), ("extra", None)]
     assert json.loads((out / "report.json").read_text())["speed"]["int8_img_s"] > 0
 
 
 def test_a_4d_input_without_a_fixed_channel_axis_is_refused(tmp_path, keys, capsys):
-    model = _export(SmallCNNForExport(), {"input": (2, 3, 32, 32)},
+    model = _export(_small_cnn(), {"input": (2, 3, 32, 32)},
                     {"input": {0: "batch", 1: "channels", 2: "height", 3: "width"}},
                     tmp_path / "nochannels.onnx")
     err = _fails(["build", "--onnx", str(model), "--calib-dir",
