@@ -57,32 +57,35 @@ def node_counts(model: Any) -> dict[str, int]:
     return dict(Counter(node.op_type for node in model.graph.node).most_common())
 
 
-def output_names(model: Any, example: Any, single_name: str = OUTPUT_NAME) -> list[str]:
-    """The ONNX output names for what ``model`` returns on ``example``: ``single_name`` for one
-    tensor, ``output_0``, ``output_1``, ... for a tuple or list of tensors, the keys for a dict of
-    tensors (in its order, as the exporter flattens it). Anything else is refused in one line."""
+def run_example(model: Any, example: Any) -> Any:
+    """``model``'s result on one sample of ``example``; a failure is named in one line."""
     import torch
 
     with torch.no_grad():
         try:
-            output = model(example[:1])
+            return model(example[:1])
         except Exception as exc:  # noqa: BLE001 - any model error, named in one line
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             raise ModelError(f"the model fails on the example input {tuple(example.shape)}: "
                              f"{type(exc).__name__}: {first_line}") from exc
+
+
+def output_names(output: Any, single_name: str = OUTPUT_NAME) -> list[str]:
+    """The ONNX output names for a model's result: ``single_name`` for one tensor, ``output_0``,
+    ``output_1``, ... for a tuple or list of tensors, the keys for a dict of tensors (in its
+    order, as the exporter flattens it). Anything else is refused in one line."""
+    import torch
+
     if isinstance(output, torch.Tensor):
         return [single_name]
+    values = flat_outputs(output)
     if isinstance(output, dict):
         names = list(output)
-        values = list(output.values())
         if not all(isinstance(name, str) and name.isidentifier() for name in names):
             raise ModelError("a model returning a dict needs identifier-like string keys (they "
                              "name the ONNX outputs)", found=[str(name) for name in names])
-    elif isinstance(output, (tuple, list)):
-        names = [f"output_{index}" for index in range(len(output))]
-        values = list(output)
     else:
-        names, values = [], []
+        names = [f"output_{index}" for index in range(len(values))]
     if not values or not all(isinstance(value, torch.Tensor) for value in values):
         raise ModelError("the model must return a tensor, or a tuple, list or dict of tensors "
                          "(nested or non-tensor outputs are not supported)",
@@ -91,7 +94,7 @@ def output_names(model: Any, example: Any, single_name: str = OUTPUT_NAME) -> li
 
 
 def flat_outputs(output: Any) -> list[Any]:
-    """A model's result as a list of tensors, in the order of :func:`output_names`."""
+    """A model's result as a list of its outputs, in the order of :func:`output_names`."""
     if isinstance(output, dict):
         return list(output.values())
     if isinstance(output, (tuple, list)):
@@ -99,15 +102,11 @@ def flat_outputs(output: Any) -> list[Any]:
     return [output]
 
 
-def accepts_any_size(model: Any, example: Any) -> bool:
-    """Whether ``model`` runs at another spatial size (see :func:`output_size_axes`)."""
-    return output_size_axes(model, example) is not None
-
-
-def output_size_axes(model: Any, example: Any) -> list[dict[int, str]] | None:
-    """Run ``model`` at another height and width: None when it cannot (a flatten straight into a
-    linear layer: exported with a fixed size), else, per output, the axes that followed the input
-    size (a segmentation map's height and width), which are exported as dynamic.
+def output_size_axes(model: Any, example: Any, output: Any) -> list[dict[int, str]] | None:
+    """Run ``model`` at another height and width than ``example`` (whose result is ``output``):
+    None when it cannot (a flatten straight into a linear layer: exported with a fixed size),
+    else, per output, the axes that followed the input size (a segmentation map's height and
+    width), which are exported as dynamic.
 
     Fully convolutional classifiers with a global pool (like the example ResNet-18) keep every
     output axis; dense heads keep their channels and follow the input in height and width.
@@ -120,12 +119,11 @@ def output_size_axes(model: Any, example: Any) -> list[dict[int, str]] | None:
     )
     with torch.no_grad():
         try:
-            reference = flat_outputs(model(example[:1]))
             other = flat_outputs(model(probe))
         except Exception:  # any failure at another size means "fixed size"
             return None
     axes: list[dict[int, str]] = []
-    for index, (ref, alt) in enumerate(zip(reference, other)):
+    for index, (ref, alt) in enumerate(zip(flat_outputs(output), other)):
         if ref.dim() != alt.dim():
             return None
         axes.append({axis: f"out{index}_dim{axis}" for axis in range(1, ref.dim())
@@ -173,8 +171,9 @@ def export_onnx(
         raise ModelError(f"opset must be >= {MIN_OPSET}", found=opset)
     started = time.perf_counter()
     model = model.eval()
-    names = output_names(model, example, output_name)
-    size_axes = output_size_axes(model, example)
+    output = run_example(model, example)
+    names = output_names(output, output_name)
+    size_axes = output_size_axes(model, example, output)
     dynamic_spatial = size_axes is not None
     axes: dict[int, str] = {0: "batch"}
     if dynamic_spatial:
