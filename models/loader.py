@@ -107,18 +107,16 @@ def _holds_pickled_objects(path: Path) -> bool:
 
 
 def _load_pruned_user_model(spec: str, checkpoint: Path):  # -> nn.Module
-    from pruning.persist import load_pruned
+    from pruning.persist import NotAPrunedModelError, UntrustedClassError, load_pruned
 
     module_name = spec.partition(":")[0]
     try:
         return load_pruned(checkpoint, trusted_modules=[module_name]).eval()
-    except ModelError as exc:
-        if "not a pruned model" in exc.message:
-            raise ModelError("the checkpoint holds pickled objects (a whole model?), not a state "
-                             "dict: save model.state_dict(), or a pruned model with "
-                             "pruning.save_pruned", path=checkpoint) from None
-        if "not a trusted nn.Module" in exc.message:
-            raise ModelError(f"the checkpoint needs a class from outside '{module_name}' and "
-                             "torch.nn, which is not loaded (pickled code runs on load)",
-                             path=checkpoint, found=exc.fields.get("found")) from None
-        raise
+    except NotAPrunedModelError:
+        raise ModelError("the checkpoint holds pickled objects (a whole model?), not a state "
+                         "dict: save model.state_dict(), or a pruned model with "
+                         "pruning.save_pruned", path=checkpoint) from None
+    except UntrustedClassError as exc:
+        raise ModelError(f"the checkpoint needs a class from outside '{module_name}' and "
+                         "torch.nn, which is not loaded (pickled code runs on load)",
+                         path=checkpoint, found=exc.fields.get("found")) from None

@@ -162,17 +162,24 @@ class Evaluator:
                              threads=self.threads)
 
     @property
+    def dense(self) -> bool:
+        """Judged by agreement on dense outputs (N x C x H x W, e.g. segmentation): the class
+        (argmax over the channel axis) at every position counts."""
+        return self.labels is None and self.reference is not None and self.reference.ndim > 2
+
+    @property
     def predictions(self) -> int:
-        """How many predictions a score counts: one per sample, or, for dense outputs judged by
-        agreement (N x C x H x W, e.g. segmentation), one per sample and position."""
-        if self.labels is None and self.reference is not None and self.reference.ndim > 2:
+        """How many predictions a score counts: one per sample, or one per sample and position
+        for dense outputs."""
+        if self.dense:
+            assert self.reference is not None  # dense says so; keeps type checkers informed
             return int(self.reference.shape[0] * np.prod(self.reference.shape[2:]))
         return len(next(iter(self.inputs.values())))
 
     def score(self, outputs: np.ndarray) -> float:
-        if self.labels is None and self.reference is not None and outputs.ndim > 2:
-            # Dense outputs: the class (argmax over the channel axis) at every position; one
-            # argmax over the flattened C x H x W would compare a single pixel per sample.
+        if self.dense:
+            # One argmax over the flattened C x H x W would compare a single pixel per sample.
+            assert self.reference is not None
             agree = outputs.argmax(axis=1) == self.reference.argmax(axis=1)
             return float(agree.mean() * 100.0)
         predicted = top1_classes(outputs)

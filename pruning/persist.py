@@ -40,6 +40,14 @@ FORMAT_VERSION = 1
 DEFAULT_TRUSTED_MODULES: tuple[str, ...] = ("torch.nn", "models.zoo")
 
 
+class NotAPrunedModelError(ModelError):
+    """A readable checkpoint that :func:`save_pruned` did not write (another pickled object)."""
+
+
+class UntrustedClassError(ModelError):
+    """A pruned-model file names a class outside the trusted packages (``found``)."""
+
+
 def save_pruned(model: nn.Module, path: Path | str) -> None:
     """Write ``model`` (the whole module) to ``path`` atomically.
 
@@ -96,7 +104,7 @@ def load_pruned(path: Path | str, *, trusted_modules: Sequence[str] = ()) -> nn.
     except Exception as exc:  # corrupt or truncated archives raise many types
         raise ModelError(f"cannot read pruned model file: {exc}", path=path) from exc
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ModelError("file is not a pruned model written by save_pruned", path=path)
+        raise NotAPrunedModelError("file is not a pruned model written by save_pruned", path=path)
     version = payload.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ModelError(
@@ -136,7 +144,7 @@ def _resolve_trusted_class(name: str, trusted: Sequence[str], path: Path) -> typ
         if isinstance(target, type) and issubclass(target, nn.Module):
             return target
         break
-    raise ModelError(
+    raise UntrustedClassError(
         "pruned model file refers to a class that is not a trusted nn.Module; pass its package "
         "in trusted_modules if you trust this file",
         path=path,
