@@ -69,8 +69,11 @@ def _with_profile_limits(info: TensorInfo, manifest: Mapping[str, Any]) -> Tenso
         return info
     entry = next((tensor for tensor in manifest.get("inputs") or ()
                   if isinstance(tensor, Mapping) and tensor.get("name") == info.name), {})
-    spatial = (0, 1) if entry.get("layout") == "NHWC" and len(sample) == 3 else (
-        len(sample) - 2, len(sample) - 1)
+    from models.onnx_model import spatial_axes
+
+    axes = spatial_axes(entry.get("layout")) if len(sample) == 3 else None
+    # The sample has no batch axis; without a known layout, height and width are the last two.
+    spatial = tuple(axis - 1 for axis in axes) if axes else (len(sample) - 2, len(sample) - 1)
     low = [1 if dim < 0 else dim for dim in sample]
     high = [sys.maxsize if dim < 0 else dim for dim in sample]
     bounded = False
