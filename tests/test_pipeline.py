@@ -347,7 +347,9 @@ def test_build_from_a_user_model_with_two_outputs(tmp_path, keys, digits_onnx):
     images = np.load(sorted(calib.glob("*.npy"))[0])[None]
     logits, probabilities = create_session(extracted / "model.onnx").run(None, {"input": images})
     assert logits.shape == probabilities.shape == (1, 10)
-    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-3)
+    # The INT8 model rounds each probability to its output's quantization step (about 1/127 for
+    # [0, 1]), so the sum is 1 only to within a few steps (0.992 on an AVX2 host).
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=0.04)
     assert int(logits.argmax()) == int(probabilities.argmax())
 
 
