@@ -642,6 +642,8 @@ def _accuracy_report(result: QuantizeResult, meta: dict[str, Any],
         "budget": options.accuracy_budget,
         "budget_from": "FP32 (ONNX)",
         "fp16_layers": len(result.fp16_layers),
+        # Every output of the final model against FP32, on the sensitivity samples.
+        "outputs": [output.to_dict() for output in result.outputs],
     }
     if meta.get("fp32_torch_metric") is not None:
         accuracy["fp32_unpruned"] = round(meta["fp32_torch_metric"], 3)
@@ -756,6 +758,11 @@ def format_summary(result: BuildResult) -> str:
     if "int8_onnxruntime_served" in accuracy:
         lines.append(f"  INT8, served (CPU) {accuracy['int8_onnxruntime_served']:.2f}  (ONNX Runtime "
                      "folds ReLUs into a finer UINT8 step; TensorRT runs the line above)")
+    if len(accuracy.get("outputs", [])) > 1:
+        lines.append("  outputs, INT8 against FP32: " + ", ".join(
+            f"{output['name']} {output['sqnr_db']:.1f} dB"
+            + ("" if output["judged_by_budget"] else " (not budgeted)")
+            for output in accuracy["outputs"]))
     fp16 = report["quantization"]["fp16_layers"]
     if fp16:
         lines.append("  FP16 layers: " + ", ".join(fp16))

@@ -96,6 +96,29 @@ class LayerSensitivity:
         }
 
 
+@dataclass(frozen=True)
+class OutputFidelity:
+    """How closely one output of the INT8 model follows the FP32 model's."""
+
+    name: str
+    sqnr_db: float
+    cosine: float
+    judged: bool  # the accuracy budget was held on this output
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "sqnr_db": round(self.sqnr_db, 2),
+            "cosine": round(self.cosine, 6),
+            "judged_by_budget": self.judged,
+        }
+
+
+# Below this an output's quantization noise is over a tenth of its power: worth a warning when
+# the budget did not look at that output.
+POOR_OUTPUT_SQNR_DB = 10.0
+
+
 @dataclass
 class QuantizeResult:
     model_bytes: bytes
@@ -111,6 +134,9 @@ class QuantizeResult:
     node_counts: dict[str, int]
     reference_metric: float  # what the budget was counted from (see QuantizeConfig)
     seconds: dict[str, float] = field(default_factory=dict)
+    # Every output of the final model against FP32 (see output_fidelity); the budget judges
+    # only the first.
+    outputs: list[OutputFidelity] = field(default_factory=list)
 
     @property
     def drop(self) -> float:
@@ -200,13 +226,52 @@ def model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_size:
     predictions (the demo bundle: 2 of 1,797 digits). ``fold_relu=True`` gives the outputs as the
     daemon's ONNX Runtime backend serves them.
     """
+    return all_model_outputs(model_bytes, inputs, batch_size, fold_relu=fold_relu,
+                             threads=threads, first_only=True)[0]
+
+
+def all_model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_size: int = 128,
+                      *, fold_relu: bool = False, threads: int = 2,
+                      first_only: bool = False) -> list[np.ndarray]:
+    """Every output of the model (in the graph's order) for every sample of ``inputs``."""
     session = create_session(model_bytes, fold_relu=fold_relu, threads=threads)
+    names = [output.name for output in session.get_outputs()]
+    if first_only:
+        names = names[:1]
     count = next(iter(inputs.values())).shape[0]
-    parts = []
+    parts: list[list[np.ndarray]] = [[] for _ in names]
     for start in range(0, count, batch_size):
         feed = {name: array[start : start + batch_size] for name, array in inputs.items()}
-        parts.append(session.run(None, feed)[0])
-    return np.concatenate(parts, axis=0)
+        for part, value in zip(parts, session.run(names, feed)):
+            part.append(value)
+    return [np.concatenate(part, axis=0) for part in parts]
+
+
+def warn_about_unjudged_outputs(outputs: Sequence[OutputFidelity]) -> None:
+    """Warn about outputs the budget did not judge that INT8 left far from FP32."""
+    for output in outputs:
+        if not output.judged and output.sqnr_db < POOR_OUTPUT_SQNR_DB:
+            log.warning("output %r follows FP32 poorly in INT8 (SQNR %.1f dB, cosine %.4f) and the "
+                        "accuracy budget judges only the first output: check it on your data, or "
+                        "keep the layers that feed it out of INT8", output.name, output.sqnr_db,
+                        output.cosine)
+
+
+def output_fidelity(float_model: bytes, int8_model: bytes, inputs: dict[str, np.ndarray],
+                    threads: int = 2) -> list[OutputFidelity]:
+    """SQNR and cosine of every output of ``int8_model`` against ``float_model`` on ``inputs``.
+
+    The accuracy budget scores the first output only; for a model with several (boxes and
+    scores, logits and embeddings) this is what shows whether the others survived INT8.
+    """
+    onnx = require("onnx", extra="host", purpose="INT8 quantization")
+    names = [output.name for output in onnx.load_from_string(float_model).graph.output]
+    reference = all_model_outputs(float_model, inputs, threads=threads)
+    quantized = all_model_outputs(int8_model, inputs, threads=threads)
+    return [
+        OutputFidelity(name, sqnr_db(want, got), cosine_similarity(want, got), judged=index == 0)
+        for index, (name, want, got) in enumerate(zip(names, reference, quantized))
+    ]
 
 
 def top1_classes(outputs: np.ndarray) -> np.ndarray:
@@ -571,6 +636,9 @@ def quantize_model(
         config.accuracy_budget,
     )
     timings["search_s"] = time.perf_counter() - search_started
+    outputs = output_fidelity(float_model, model_bytes, sensitivity_evaluator.inputs,
+                              threads=evaluator.threads)
+    warn_about_unjudged_outputs(outputs)
     timings["total_s"] = time.perf_counter() - started
     if fp16_layers and len(fp16_layers) == len(quantizer.candidates):
         log.warning("no layer could run in INT8 within the accuracy budget: the bundle's model "
@@ -589,6 +657,7 @@ def quantize_model(
         node_counts=node_counts(onnx.load_from_string(model_bytes)),
         reference_metric=reference,
         seconds=timings,
+        outputs=outputs,
     )
 
 

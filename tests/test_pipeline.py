@@ -326,7 +326,7 @@ def make_two_headed_cnn():
     return TwoHeaded()
 
 
-def test_build_from_a_user_model_with_two_outputs(tmp_path, keys, digits_onnx):
+def test_build_from_a_user_model_with_two_outputs(tmp_path, keys, digits_onnx, capsys):
     from models.checkpoints import load_example
 
     _, calib = digits_onnx
@@ -340,6 +340,12 @@ def test_build_from_a_user_model_with_two_outputs(tmp_path, keys, digits_onnx):
                  "--out", str(out), "--calib-samples", "96"]) == 0
     bundle = open_bundle(out / "make_two_headed_cnn-1.bundle", [load_public_key(Path(f"{keys}.pub"))])
     assert [output["name"] for output in bundle.manifest["outputs"]] == ["logits", "probabilities"]
+    # Each output is compared with FP32; only the first was held to the budget.
+    report = json.loads((out / "report.json").read_text())
+    assert [(output["name"], output["judged_by_budget"]) for output in report["accuracy"]["outputs"]] \
+        == [("logits", True), ("probabilities", False)]
+    assert all(output["sqnr_db"] > 10.0 for output in report["accuracy"]["outputs"])
+    assert "probabilities" in capsys.readouterr().out.split("outputs, INT8 against FP32:")[1]
     # Both run in the INT8 model, and the first one is what the budget judged.
     from models.ort import create_session
 

@@ -120,6 +120,52 @@ def test_accurate_model_stays_fully_int8_within_budget(digits, trained_onnx, tmp
     assert result.calibration["samples"] == 512
     assert all(-1.0 <= layer.cosine <= 1.0 for layer in result.sensitivity)
     assert [layer.sqnr_db for layer in result.sensitivity] == sorted(layer.sqnr_db for layer in result.sensitivity)
+    [output] = result.outputs
+    assert output.name == onnx.load_from_string(trained_onnx).graph.output[0].name
+    assert output.judged and output.sqnr_db > 15.0 and output.cosine > 0.98
+
+
+def _two_output_model(noise: float) -> bytes:
+    """``a = x + 1`` and ``b = 2x + noise``: as a stand-in INT8 model, the second output differs
+    from its float twin by a known amount."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "one"], ["a"]),
+         helper.make_node("Mul", ["x", "two"], ["doubled"]),
+         helper.make_node("Add", ["doubled", "noise"], ["b"])],
+        "two_outputs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n", 4]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n", 4])],
+        [numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+         numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+         numpy_helper.from_array(np.full(4, noise, np.float32), "noise")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_every_output_is_compared_with_fp32_and_unjudged_poor_ones_are_warned_about(caplog):
+    from models.quantize import output_fidelity, warn_about_unjudged_outputs
+
+    x = np.random.default_rng(0).standard_normal((300, 4)).astype(np.float32)
+    first, second = output_fidelity(_two_output_model(0.0), _two_output_model(0.5), {"x": x},
+                                    threads=1)
+    assert (first.name, first.judged, first.sqnr_db) == ("a", True, float("inf"))
+    expected = 10 * np.log10(np.sum((2.0 * x.astype(np.float64)) ** 2) / (0.25 * x.size))
+    assert (second.name, second.judged) == ("b", False)
+    assert second.sqnr_db == pytest.approx(expected, abs=0.01)  # about 12 dB
+    with caplog.at_level("WARNING", logger="models.quantize"):
+        warn_about_unjudged_outputs([first, second])
+    assert not caplog.records  # 12 dB is poor, but not below the warning's 10 dB
+    _, noisy = output_fidelity(_two_output_model(0.0), _two_output_model(2.0), {"x": x}, threads=1)
+    assert noisy.sqnr_db < 10.0
+    with caplog.at_level("WARNING", logger="models.quantize"):
+        warn_about_unjudged_outputs([first, noisy])
+    [record] = caplog.records
+    assert "output 'b' follows FP32 poorly" in record.getMessage()
 
 
 def test_mixed_precision_keeps_a_minimal_set_of_layers_out_of_int8(tmp_path):
