@@ -571,6 +571,17 @@ def search_mixed_precision(
     return excluded, model_bytes, metric, trace
 
 
+def warn_if_too_few_predictions(evaluator: Evaluator, budget: float) -> None:
+    """Warn when one changed prediction already costs more than the budget."""
+    predictions = evaluator.predictions
+    if predictions and 100.0 / predictions > budget:
+        counted = "sample positions" if evaluator.dense else "samples"
+        log.warning("with %d evaluation %s one changed prediction costs %.2f points, more "
+                    "than the %.2f-point budget: only models that change no prediction pass, "
+                    "which may keep many layers out of INT8 (give more samples, or a larger "
+                    "--accuracy-budget)", predictions, counted, 100.0 / predictions, budget)
+
+
 def quantize_model(
     float_model: bytes,
     calibration: CalibrationSet,
@@ -595,12 +606,7 @@ def quantize_model(
             float_metric=round(float_metric, 3),
             budget=config.accuracy_budget,
         )
-    predictions = evaluator.predictions
-    if predictions and 100.0 / predictions > config.accuracy_budget:
-        log.warning("with %d evaluation samples one changed prediction costs %.2f points, more "
-                    "than the %.2f-point budget: only models that change no prediction pass, "
-                    "which may keep many layers out of INT8 (give more samples, or a larger "
-                    "--accuracy-budget)", predictions, 100.0 / predictions, config.accuracy_budget)
+    warn_if_too_few_predictions(evaluator, config.accuracy_budget)
     quantizer = QdqQuantizer(float_model, calibration, config, workdir)
 
     full_int8 = quantizer.quantize()

@@ -220,6 +220,19 @@ def test_an_evaluation_set_too_small_for_the_budget_is_warned_about(digits, trai
                in record.getMessage() for record in caplog.records)
 
 
+def test_too_few_dense_predictions_are_counted_as_positions(caplog):
+    from models.quantize import warn_if_too_few_predictions
+
+    reference = np.zeros((2, 3, 4, 5), np.float32)  # 2 samples, 40 positions
+    evaluator = Evaluator({"input": np.zeros((2, 1), np.float32)}, reference=reference)
+    with caplog.at_level("WARNING", logger="models.quantize"):
+        warn_if_too_few_predictions(evaluator, 1.0)
+        warn_if_too_few_predictions(evaluator, 2.5)  # one position is 2.5 points: within
+    [record] = caplog.records
+    assert "with 40 evaluation sample positions one changed prediction costs 2.50 points" \
+        in record.getMessage()
+
+
 def test_dense_outputs_are_judged_position_by_position():
     # Segmentation-like outputs, N x C x H x W: agreement is the share of positions whose class
     # (argmax over C) is unchanged, not one argmax over the flattened map per sample.
