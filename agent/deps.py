@@ -24,3 +24,20 @@ def require(module: str, *, extra: str, purpose: str) -> ModuleType:
         if missing is not None and module.split(".")[0] != missing.split(".")[0]:
             raise
         raise MissingDependencyError(module, extra, purpose) from exc
+
+
+def is_tensorrt(module: ModuleType) -> bool:
+    """Whether an imported ``tensorrt`` is TensorRT: pip's tensorrt-stubs installs a bare
+    ``tensorrt/`` folder of .pyi files, which Python imports as an empty namespace package."""
+    return hasattr(module, "Builder") and hasattr(module, "Runtime")
+
+
+def require_tensorrt(purpose: str) -> ModuleType:
+    """The real TensorRT module, or an error that says what is importable instead."""
+    module = require("tensorrt", extra="", purpose=purpose)
+    if not is_tensorrt(module):
+        raise MissingDependencyError(
+            "tensorrt", "", f"{purpose}; the importable 'tensorrt' is not TensorRT but an empty "
+            f"namespace package (e.g. left by tensorrt-stubs) at "
+            f"{', '.join(getattr(module, '__path__', [])) or '?'}")
+    return module

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.deps import require
+from agent import deps
 from agent.errors import ConfigError, EngineError, StopRequested
 from agent.fsutil import atomic_write_bytes
 from models.fingerprint import DeviceFingerprint, cuda_compute_capability, read_l4t_release
@@ -332,20 +332,8 @@ class LogCapture:
 
 def require_tensorrt() -> None:
     """Fail with a clear error unless the real ``tensorrt`` module is importable."""
-    module = require(
-        "tensorrt",
-        extra="",
-        purpose="building a TensorRT engine (TensorRT comes with JetPack, e.g. the python3-libnvinfer "
-        "package, not from pip)",
-    )
-    # pip's tensorrt-stubs installs a bare ``tensorrt/`` folder of .pyi files, which Python
-    # imports as an empty namespace package.
-    if not hasattr(module, "Builder"):
-        raise EngineError(
-            "the importable 'tensorrt' is not TensorRT (an empty namespace package, e.g. from "
-            "tensorrt-stubs); install TensorRT from JetPack",
-            path=list(getattr(module, "__path__", [])),
-        )
+    deps.require_tensorrt("building a TensorRT engine (TensorRT comes with JetPack, e.g. the "
+                          "python3-libnvinfer package, not from pip)")
 
 
 def _make_logger(capture: LogCapture) -> trt.ILogger:

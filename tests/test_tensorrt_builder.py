@@ -600,9 +600,10 @@ def test_stub_namespace_package_is_not_mistaken_for_tensorrt(
     namespace = types.ModuleType("tensorrt")
     namespace.__path__ = [str(tmp_path / "site-packages" / "tensorrt")]
     monkeypatch.setitem(sys.modules, "tensorrt", namespace)
-    with pytest.raises(EngineError) as caught:
+    with pytest.raises(MissingDependencyError) as caught:
         build(model, config(), tmp_path)
-    assert "namespace package" in str(caught.value)
+    assert "not TensorRT but an empty namespace package" in str(caught.value)
+    assert str(tmp_path / "site-packages" / "tensorrt") in str(caught.value)
 
 
 # --- configuration validation -------------------------------------------------------------------

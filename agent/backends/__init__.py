@@ -17,6 +17,7 @@ from agent.backends.base import (
     StagedBatch,
     TensorInfo,
 )
+from agent.deps import is_tensorrt
 from agent.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,7 @@ def tensorrt_available() -> bool:
         import tensorrt  # type: ignore[import-not-found]
     except ImportError:
         return False
-    # The tensorrt-stubs package installs an empty ``tensorrt`` namespace package.
-    if not hasattr(tensorrt, "Runtime"):
+    if not is_tensorrt(tensorrt):
         return False
     try:
         import pycuda.driver as cuda  # type: ignore[import-not-found]

@@ -61,8 +61,8 @@ from agent.backends.cuda_buffers import (
     TensorSpec,
     choose_host_memory,
 )
-from agent.deps import require
-from agent.errors import EngineError, InputError, InternalError, MissingDependencyError
+from agent import deps
+from agent.errors import EngineError, InputError, InternalError
 from agent.fsutil import atomic_write_bytes, atomic_write_text
 from models.fingerprint import DeviceFingerprint, read_l4t_release
 from models.tensorrt_builder import EngineBuildConfig, build_engine
@@ -91,14 +91,7 @@ _NUMPY_DTYPES = {
 
 
 def require_tensorrt() -> ModuleType:
-    module = require("tensorrt", extra="", purpose=_PURPOSE)
-    if not hasattr(module, "Runtime"):
-        # pip's tensorrt-stubs installs a bare tensorrt/ folder of .pyi files, which Python imports
-        # as an empty namespace package: that is not TensorRT.
-        raise MissingDependencyError(
-            "tensorrt", "", _PURPOSE + "; the importable 'tensorrt' is an empty namespace package "
-            "(e.g. left by tensorrt-stubs)")
-    return module
+    return deps.require_tensorrt(_PURPOSE)
 
 
 def _dims(dims: trt.Dims) -> tuple[int, ...]:
