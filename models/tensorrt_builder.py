@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from agent import deps
@@ -336,6 +337,52 @@ def require_tensorrt() -> None:
                           "python3-libnvinfer package, not from pip)")
 
 
+# TensorRT's plugin library keeps a raw pointer to the logger ``init_libnvinfer_plugins`` was given
+# (the binding adds no keep-alive) and logs through it whenever a plugin is looked up or created,
+# long after the call: a per-build logger freed when the build returns would be used after free
+# by the next deserialize. So the plugins are registered once per process, with a logger that
+# lives as long as the process. Keyed by module, because tests swap fake TensorRT modules in.
+_plugin_registrations: dict[int, tuple[ModuleType, object, bool]] = {}
+_plugin_lock = threading.Lock()
+
+
+def init_plugins() -> bool:
+    """Register TensorRT's standard plugins (once per process); False if the library refused."""
+    import tensorrt as trt
+
+    with _plugin_lock:
+        entry = _plugin_registrations.get(id(trt))
+        if entry is None or entry[0] is not trt:
+            logger = _forwarding_logger(logging.getLogger(__name__ + ".plugins"))
+            entry = (trt, logger, bool(trt.init_libnvinfer_plugins(logger, "")))
+            _plugin_registrations[id(trt)] = entry
+            if not entry[2]:
+                log.warning("TensorRT's plugin library did not initialise; models that need "
+                            "plugins will fail")
+        return entry[2]
+
+
+def _forwarding_logger(target: logging.Logger) -> trt.ILogger:
+    import tensorrt as trt
+
+    levels = {
+        trt.ILogger.INTERNAL_ERROR: logging.ERROR,
+        trt.ILogger.ERROR: logging.ERROR,
+        trt.ILogger.WARNING: logging.WARNING,
+        trt.ILogger.INFO: logging.DEBUG,
+    }
+
+    class _ForwardingLogger(trt.ILogger):
+        def __init__(self) -> None:
+            # pybind11 requires the base __init__ when a Python class overrides ILogger.
+            trt.ILogger.__init__(self)
+
+        def log(self, severity: trt.ILogger.Severity, msg: str) -> None:
+            target.log(levels.get(severity, logging.DEBUG), "TensorRT: %s", msg)
+
+    return _ForwardingLogger()
+
+
 def _make_logger(capture: LogCapture) -> trt.ILogger:
     import tensorrt as trt
 
@@ -621,7 +668,7 @@ def build_engine(
     warnings: list[str] = []
     capture = LogCapture()
     logger = _make_logger(capture)
-    if not trt.init_libnvinfer_plugins(logger, ""):
+    if not init_plugins():
         warnings.append("TensorRT's plugin library did not initialise; models that need plugins will fail")
     builder = trt.Builder(logger)
 

@@ -65,7 +65,7 @@ from agent import deps
 from agent.errors import EngineError, InputError, InternalError
 from agent.fsutil import atomic_write_bytes, atomic_write_text
 from models.fingerprint import DeviceFingerprint, read_l4t_release
-from models.tensorrt_builder import EngineBuildConfig, build_engine
+from models.tensorrt_builder import EngineBuildConfig, build_engine, init_plugins
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -351,7 +351,7 @@ class TensorRTBackend(Backend):
         with device.scope():
             self._stream = device.create_stream()
             self._log = _TensorRTLog()
-            trt.init_libnvinfer_plugins(self._log.logger, "")
+            init_plugins()
             self._runtime = trt.Runtime(self._log.logger)
             self._engine, self._source = self._load_engine(trt.__version__, device)
             self._context = self._engine.create_execution_context()

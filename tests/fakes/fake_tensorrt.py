@@ -38,6 +38,7 @@ import ctypes
 import json
 import sys
 import threading
+import weakref
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -365,6 +366,10 @@ class FakeState:
     # Timing caches are keyed by TensorRT version and this (a cache from elsewhere mismatches).
     compute_capability: str = "8.7"
     plugins_initialised: bool = False
+    # The logger TensorRT's plugin library was last given. The real library keeps a raw pointer
+    # (no keep-alive in the binding) and logs through it when a plugin is looked up or created:
+    # once that logger is garbage, the next such log is a use after free (here: an error).
+    plugin_logger: Any = None
     builds: list[dict[str, Any]] = field(default_factory=list)
     # Called before each step of a build's "Building engine" phase (one step per layer), with
     # the step number: a test makes the build slow or does something mid-build with it.
@@ -1090,6 +1095,7 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
             if path is not None and not isinstance(path, str):
                 raise _incompatible("OnnxParser.parse", "path", path, "str")
             self._errors = []
+            _plugin_log("looking up plugin creators for the network's nodes")
             network = self._network
             if not network._explicit_batch:
                 return self._fail(
@@ -1689,6 +1695,7 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
                 raise _incompatible(
                     "Runtime.deserialize_cuda_engine", "serialized_engine", serialized_engine, "buffer"
                 )
+            _plugin_log("deserializing the engine's plugins")
             try:
                 record = decode_plan(bytes(serialized_engine))
                 io = [
@@ -1968,7 +1975,20 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
         if not isinstance(namespace, str):
             raise _incompatible("init_libnvinfer_plugins", "namespace", namespace, "str")
         state.plugins_initialised = True
+        state.plugin_logger = weakref.ref(logger)
+        _plugin_log("Registered plugin creators")
         return True
+
+    def _plugin_log(message: str) -> None:
+        if state.plugin_logger is None:
+            return
+        logger = state.plugin_logger()
+        if logger is None:
+            raise RuntimeError(
+                "use after free: the logger given to init_libnvinfer_plugins has been destroyed, "
+                "and TensorRT's plugin library still logs through it"
+            )
+        _emit(logger, "VERBOSE", f"Plugin library: {message}")
 
     public: dict[str, Any] = {
         "__version__": version,
