@@ -279,7 +279,8 @@ class TensorRTConfig(_Section):
 
     workspace_mib: int = field(default=1024, metadata=_bounds(minimum=1))
     # -1: the GPU only. Jetson AGX Orin, Orin NX and Xavier have two DLA cores (0 and 1); the Orin
-    # Nano has none, which the backend reports when the engine is built.
+    # Nano has none, which the backend reports when the engine is built. DLA runs static shapes:
+    # the engine takes the bundle's optimum batch and frame size only (smaller batches padded).
     dla_core: int = field(default=-1, metadata=_bounds(minimum=-1, maximum=1))
     optimization_level: int = field(default=3, metadata=_bounds(minimum=0, maximum=5))
     fp16: bool = True

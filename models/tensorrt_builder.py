@@ -21,6 +21,7 @@ The device fingerprint that names the plan is models/fingerprint.py, which the r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -132,6 +133,22 @@ class EngineBuildConfig:
     optimization_level: int | None = None
     timing_cache_path: Path | None = None
 
+    def profile_spans(self) -> dict[str, tuple[int, int, int]]:
+        """``[min, opt, max]`` of each axis the profile sets: batch, and height and width where given."""
+        spans = {"batch": (self.min_batch, self.opt_batch, self.max_batch)}
+        for axis in ("height", "width"):
+            span = tuple(getattr(self, f"{bound}_{axis}") for bound in ("min", "opt", "max"))
+            if all(value is not None for value in span):
+                spans[axis] = span  # type: ignore[assignment]
+        return spans
+
+    def static_at_opt(self) -> EngineBuildConfig:
+        """This configuration with every range collapsed to its optimum (what DLA needs)."""
+        values: dict[str, int] = {}
+        for axis, (_, opt, _) in self.profile_spans().items():
+            values.update({f"min_{axis}": opt, f"max_{axis}": opt})
+        return dataclasses.replace(self, **values)  # type: ignore[arg-type]
+
     def __post_init__(self) -> None:
         _check_range(
             ("min_batch", "opt_batch", "max_batch"), (self.min_batch, self.opt_batch, self.max_batch)
@@ -148,6 +165,15 @@ class EngineBuildConfig:
             )
         _check_int("workspace_bytes", self.workspace_bytes, minimum=1, optional=True)
         _check_int("dla_core", self.dla_core, minimum=0, optional=True)
+        if self.dla_core is not None:
+            # DLA has no dynamic shapes: with a range, TensorRT puts every layer on the GPU (with
+            # gpu_fallback) or fails, so a "DLA" engine would quietly be a GPU one.
+            for axis, span in self.profile_spans().items():
+                if len(set(span)) > 1:
+                    raise ConfigError(
+                        "DLA runs static shapes only: min, opt and max must be equal (a range "
+                        "would put every layer on the GPU)", key=f"{axis} range", found=list(span)
+                    )
         _check_int("optimization_level", self.optimization_level, minimum=0, optional=True)
         if self.optimization_level is not None and self.optimization_level not in OPTIMIZATION_LEVELS:
             raise ConfigError(
@@ -416,6 +442,9 @@ class _BuildProgress:
     def __init__(self, stop_requested: Callable[[], bool] | None) -> None:
         self.stop_requested = stop_requested
         self.cancelled = threading.Event()
+        # TensorRT may report steps from several threads at once: the stop question is asked
+        # by one at a time, so a stop is seen once and never asked again.
+        self._asking = threading.Lock()
         self.interrupt: BaseException | None = None
         self.phase_started: dict[str, tuple[float, bool]] = {}  # name -> (start, top-level)
 
@@ -435,13 +464,14 @@ class _BuildProgress:
             return False
 
     def should_go_on(self) -> bool:
-        if self.cancelled.is_set():
-            return False
-        if self.stop_requested is not None and self.stop_requested():
-            log.info("engine build: stop requested, asking TensorRT to end the build")
-            self.cancelled.set()
-            return False
-        return True
+        with self._asking:
+            if self.cancelled.is_set():
+                return False
+            if self.stop_requested is not None and self.stop_requested():
+                log.info("engine build: stop requested, asking TensorRT to end the build")
+                self.cancelled.set()
+                return False
+            return True
 
     def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> bool:
         top = parent_phase is None

@@ -160,6 +160,29 @@ def test_results_equal_onnx_runtime_on_the_model(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("integrated", [True, False], ids=["jetson-mapped", "discrete-pinned"])
+def test_a_dla_engine_runs_its_static_batch_with_smaller_batches_padded(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, integrated: bool) -> None:
+    board = make_board(monkeypatch, tmp_path, integrated=integrated)
+    board.state.num_dla_cores = 2
+    artifacts = make_artifacts(tmp_path)  # profile batch [1, 2, 4], frames 8..32, optimum 16
+    rng = np.random.default_rng(3)
+    with board.backend(artifacts, max_batch_size=8, extra={"dla_core": 1}) as backend:
+        [build] = board.state.builds
+        assert build["device"] == {"default_device_type": "DLA", "DLA_core": 1, "layers_on": "DLA"}
+        assert backend._runtime is not None and backend._runtime.DLA_core == 1
+        assert backend.max_batch_size == 2
+        for batch in (1, 2, 1):
+            images = rng.normal(size=(batch, 3, 16, 16)).astype(np.float32)
+            outputs = backend.infer({"images": images})
+            assert outputs["features"].shape == (batch, 4, 16, 16)
+            np.testing.assert_allclose(outputs["features"], reference(artifacts, images),
+                                       rtol=1e-6, atol=1e-6)
+        with pytest.raises(InputError, match="outside the range the model is built for"):
+            backend.stage(1, {"images": (3, 32, 32)})  # the engine is built for 16x16 only
+    assert board.state.executions == 3
+
+
+@pytest.mark.parametrize("integrated", [True, False], ids=["jetson-mapped", "discrete-pinned"])
 def test_staged_buffers_are_reused_and_outputs_are_views_until_release(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, artifacts: ModelArtifacts, integrated: bool) -> None:
     board = make_board(monkeypatch, tmp_path, integrated=integrated)
@@ -506,12 +529,17 @@ def test_engine_build_config_reads_the_manifest_and_options(tmp_path: Path) -> N
         engine_profile={"batch": [1, 4, 8], "height": [64, 224, 448], "width": [64, 224, 448]},
         inputs=[{"name": "images", "dtype": "float32", "shape": [-1, -1, -1, 3], "layout": "NHWC"}],
     )
-    config = engine_build_config(artifacts, {"workspace_bytes": 1 << 28, "dla_core": 0, "providers": ["x"]})
+    config = engine_build_config(artifacts, {"workspace_bytes": 1 << 28, "providers": ["x"]})
     assert (config.min_batch, config.opt_batch, config.max_batch) == (1, 4, 8)
     assert (config.min_height, config.opt_height, config.max_height) == (64, 224, 448)
     assert config.layout == "NHWC"
     assert config.fp16_layers == ("conv1",)
-    assert (config.workspace_bytes, config.dla_core) == (1 << 28, 0)
+    assert (config.workspace_bytes, config.dla_core) == (1 << 28, None)
+    # DLA runs static shapes: the profile collapses to its optimum.
+    config = engine_build_config(artifacts, {"dla_core": 0})
+    assert config.dla_core == 0
+    assert config.profile_spans() == {"batch": (4, 4, 4), "height": (224, 224, 224),
+                                      "width": (224, 224, 224)}
 
     without_profile = make_artifacts(tmp_path, engine_profile=None, max_batch=16, opt_batch=8)
     config = engine_build_config(without_profile, {})

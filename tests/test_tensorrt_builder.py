@@ -333,13 +333,58 @@ def test_corrupt_timing_cache_is_replaced(
 
 # --- DLA ------------------------------------------------------------------------------------------
 
+# DLA runs static shapes only.
+STATIC = dict(min_batch=4, opt_batch=4, max_batch=4, min_height=224, max_height=224, min_width=224,
+              max_width=224)
+
+
+def test_dla_refuses_a_dynamic_profile() -> None:
+    with pytest.raises(ConfigError) as caught:
+        config(dla_core=0)
+    assert "DLA runs static shapes only" in str(caught.value)
+    assert caught.value.fields == {"key": "batch range", "found": [1, 4, 8]}
+    with pytest.raises(ConfigError, match="height range"):
+        config(dla_core=0, min_batch=4, max_batch=4)
+    assert config(dla_core=0, **STATIC).dla_core == 0
+    collapsed = config().static_at_opt()
+    assert collapsed.profile_spans() == {"batch": (4, 4, 4), "height": (224, 224, 224),
+                                         "width": (224, 224, 224)}
+
+
+def test_fake_tensorrt_keeps_a_dynamic_dla_build_off_the_dla(
+    install_fake: Callable[[str], types.ModuleType], model: Path, tmp_path: Path
+) -> None:
+    # The strictness the builder's refusal answers: TensorRT itself puts every layer on the GPU
+    # (GPU_FALLBACK) or fails the build when a DLA profile has ranges.
+    trt = install_fake("10.3.0.30")
+    state_of(trt).num_dla_cores = 1
+    for fallback in (True, False):
+        logger = trt.Logger(trt.Logger.WARNING)
+        builder = trt.Builder(logger)
+        network = builder.create_network(0)
+        assert trt.OnnxParser(network, logger).parse(model.read_bytes())
+        build_config = builder.create_builder_config()
+        build_config.set_flag(trt.BuilderFlag.INT8)
+        build_config.default_device_type = trt.DeviceType.DLA
+        build_config.DLA_core = 0
+        if fallback:
+            build_config.set_flag(trt.BuilderFlag.GPU_FALLBACK)
+        profile = builder.create_optimization_profile()
+        profile.set_shape(network.get_input(0).name, (1, 3, 32, 32), (4, 3, 64, 64), (8, 3, 64, 64))
+        build_config.add_optimization_profile(profile)
+        plan = builder.build_serialized_network(network, build_config)
+        if fallback:
+            assert state_of(trt).builds[-1]["device"]["layers_on"] == "GPU"
+        else:
+            assert plan is None
+
 
 def test_dla_on_a_device_without_dla_is_an_error(
     install_fake: Callable[[str], types.ModuleType], model: Path, tmp_path: Path
 ) -> None:
     install_fake("10.3.0.30")
     with pytest.raises(EngineError) as caught:
-        build(model, config(dla_core=0), tmp_path)
+        build(model, config(dla_core=0, **STATIC), tmp_path)
     assert "no DLA" in str(caught.value)
     assert caught.value.fields["available"] == 0
 
@@ -349,7 +394,7 @@ def test_dla_core_must_exist(
 ) -> None:
     state_of(install_fake("10.3.0.30")).num_dla_cores = 2
     with pytest.raises(EngineError) as caught:
-        build(model, config(dla_core=2), tmp_path)
+        build(model, config(dla_core=2, **STATIC), tmp_path)
     assert caught.value.fields == {"dla_core": 2, "available": 2}
 
 
@@ -358,8 +403,8 @@ def test_dla_build_targets_the_core(
     gpu_fallback: bool, install_fake: Callable[[str], types.ModuleType], model: Path, tmp_path: Path
 ) -> None:
     state_of(install_fake("8.5.2.2")).num_dla_cores = 2
-    _, plan = build(model, config(dla_core=1, gpu_fallback=gpu_fallback), tmp_path)
-    assert plan["device"] == {"default_device_type": "DLA", "DLA_core": 1}
+    _, plan = build(model, config(dla_core=1, gpu_fallback=gpu_fallback, **STATIC), tmp_path)
+    assert plan["device"] == {"default_device_type": "DLA", "DLA_core": 1, "layers_on": "DLA"}
     assert ("GPU_FALLBACK" in plan["builder_flags"]) is gpu_fallback
 
 

@@ -97,9 +97,15 @@ def test_real_dla_build(tmp_path: Path) -> None:
     if trt.Builder(trt.Logger()).num_DLA_cores == 0:
         pytest.skip("this device has no DLA")
     model = _model(tmp_path, int(trt.__version__.split(".")[0]) >= 11)
-    result = build_engine(model, _config(tmp_path, dla_core=0, gpu_fallback=True))
-    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(result.plan)
+    # DLA runs static shapes only (a range would put every layer on the GPU).
+    static = dict(min_batch=2, max_batch=2, min_height=32, max_height=32, min_width=32, max_width=32)
+    result = build_engine(model, _config(tmp_path, dla_core=0, gpu_fallback=True, **static))
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    runtime.DLA_core = 0
+    engine = runtime.deserialize_cuda_engine(result.plan)
     assert engine is not None
+    low, opt, high = engine.get_tensor_profile_shape("images", 0)
+    assert list(low) == list(opt) == list(high) == [2, 3, 32, 32]
 
 
 def test_real_backend_builds_caches_and_matches_onnx_runtime(tmp_path: Path) -> None:

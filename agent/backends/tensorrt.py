@@ -149,6 +149,15 @@ def engine_build_config(artifacts: ModelArtifacts, extra: Mapping[str, Any], *,
         log.warning("the precision plan's FP32 layers are not enforced in the TensorRT build: %s",
                     ", ".join(precision["fp32_layers"]))
     values.update({key: extra[key] for key in BUILD_OPTION_KEYS if key in extra})
+    if values.get("dla_core") is not None:
+        # DLA has no dynamic shapes: build for the optimum only. Smaller batches are padded to it
+        # (TensorRTBackend.run); frames of another size are refused.
+        collapsed = {axis: values[f"opt_{axis}"] for axis in PROFILE_AXES if f"opt_{axis}" in values}
+        for axis, opt in collapsed.items():
+            values[f"min_{axis}"] = values[f"max_{axis}"] = opt
+        log.warning("DLA core %s runs static shapes only: the engine is built for %s; smaller "
+                    "batches are padded to that batch", values["dla_core"],
+                    ", ".join(f"{axis} {opt}" for axis, opt in collapsed.items()))
     return EngineBuildConfig(**values, timing_cache_path=timing_cache_path)
 
 
@@ -320,6 +329,9 @@ class TensorRTBackend(Backend):
         self._outputs: tuple[TensorInfo, ...] = ()
         self._profile: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # input -> (min, max)
         self._max_batch = options.max_batch_size
+        # The batch every run uses when the engine's batch axis is static (DLA engines): smaller
+        # batches are padded to it, and the padding rows' outputs dropped.
+        self._padded_batch: int | None = None
         # run() and deactivate() exclude each other; stage()/release only touch the staged table.
         self._run_lock = threading.Lock()
         self._staged_lock = threading.Lock()
@@ -353,6 +365,9 @@ class TensorRTBackend(Backend):
             self._log = _TensorRTLog()
             init_plugins()
             self._runtime = trt.Runtime(self._log.logger)
+            dla_core = self.options.extra.get("dla_core")
+            if dla_core is not None:
+                self._runtime.DLA_core = int(dla_core)  # the core a DLA engine runs on
             self._engine, self._source = self._load_engine(trt.__version__, device)
             self._context = self._engine.create_execution_context()
             if self._context is None:
@@ -514,7 +529,14 @@ class TensorRTBackend(Backend):
             profile[name] = (low, high)
         self._profile = profile
         self._max_batch = min([self.options.max_batch_size] + [high[0] for _, high in profile.values()])
-        largest = {name: (self._max_batch, *high[1:]) for name, (_, high) in profile.items()}
+        batch_ranges = {(low[0], high[0]) for low, high in profile.values()}
+        self._padded_batch = None
+        if len(batch_ranges) == 1 and len(set(next(iter(batch_ranges)))) == 1:
+            self._padded_batch = next(iter(batch_ranges))[0]
+            log.info("the engine takes batch %d only: smaller batches are padded to it",
+                     self._padded_batch)
+        rows = max(self._max_batch, self._padded_batch or 0)
+        largest = {name: (rows, *high[1:]) for name, (_, high) in profile.items()}
         for name, shape in largest.items():
             if not context.set_input_shape(name, shape):
                 raise EngineError("TensorRT refused the profile's largest input shape", tensor=name,
@@ -569,6 +591,8 @@ class TensorRTBackend(Backend):
         shapes = {info.name: (batch_size, *sample_shapes[info.name]) for info in self._inputs}
         for name, shape in shapes.items():
             low, high = self._profile[name]
+            if self._padded_batch is not None:
+                low = (1, *low[1:])  # padded up to the engine's batch in run()
             if any(not lo <= dim <= hi for lo, dim, hi in zip(low, shape, high, strict=True)):
                 raise InputError("input shape is outside the engine's optimization profile", input=name,
                                  found=list(shape), minimum=list(low), maximum=list(high))
@@ -599,6 +623,10 @@ class TensorRTBackend(Backend):
                     or pool is None or trt_log is None):
                 raise InternalError("run() on a batch that is not staged on this backend")
             input_shapes = {info.name: tuple(batch.inputs[info.name].shape) for info in self._inputs}
+            if self._padded_batch is not None:
+                # Rows past the batch hold whatever an earlier batch left: computed, then dropped.
+                input_shapes = {name: (self._padded_batch, *shape[1:])
+                                for name, shape in input_shapes.items()}
             with device.scope():
                 for name, shape in input_shapes.items():
                     if not context.set_input_shape(name, shape):
@@ -619,4 +647,6 @@ class TensorRTBackend(Backend):
                                       messages=trt_log.take_errors())
                 pool.to_host(batch.slot, output_shapes, stream)
                 stream.synchronize()
+            if self._padded_batch is not None:
+                return {name: array[:batch.batch_size] for name, array in outputs.items()}
             return outputs

@@ -1568,7 +1568,13 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
                 return (
                     f"DLA core {config._dla_core} is not available (this device has {state.num_dla_cores})"
                 )
+            if _dla_shapes_dynamic(config) and not _flag_set(config, "GPU_FALLBACK"):
+                return "DLA does not support dynamic shapes and GPU fallback is not enabled"
         return None
+
+    def _dla_shapes_dynamic(config: Any) -> bool:
+        # DLA runs static shapes only: a profile whose min and max differ keeps every layer off it.
+        return any(shapes[0] != shapes[2] for profile in config._profiles for shapes in profile.values())
 
     def _effective_precision(network: Any, config: Any, layer: Any) -> str:
         """The precision a layer runs in; "UNCONSTRAINED" where TensorRT may pick HALF or FLOAT."""
@@ -1635,6 +1641,12 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
             "device": {
                 "default_device_type": config._default_device_type.name,
                 "DLA_core": config._dla_core,
+                # Where the layers landed: on DLA only with static shapes (else all on the GPU).
+                "layers_on": (
+                    "DLA"
+                    if config._default_device_type == DeviceType.DLA and not _dla_shapes_dynamic(config)
+                    else "GPU"
+                ),
             },
             "profiles": [
                 {
@@ -1680,12 +1692,27 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
             state.live[type(obj).__qualname__] -= 1
 
     class Runtime:
-        __slots__ = ("_logger", "_tracked")
+        __slots__ = ("_dla_core", "_logger", "_tracked")
 
         def __init__(self, logger: Any) -> None:
             _check_logger("Runtime.__init__", logger)
             self._logger = logger
+            self._dla_core = 0
             _track(self)
+
+        @property
+        def DLA_core(self) -> int:  # noqa: N802 - TensorRT's spelling
+            return self._dla_core
+
+        @DLA_core.setter
+        def DLA_core(self, value: int) -> None:  # noqa: N802
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise _incompatible("Runtime.DLA_core", "value", value, "int")
+            self._dla_core = value
+
+        @property
+        def num_DLA_cores(self) -> int:  # noqa: N802
+            return state.num_dla_cores
 
         def __del__(self) -> None:
             _untrack(self)
