@@ -1,11 +1,11 @@
-"""The device fingerprint a TensorRT engine is bound to: TensorRT build, GPU, L4T release.
+"""The device fingerprint a TensorRT engine is bound to: TensorRT build, GPU model, L4T release.
 
 A serialized engine only loads on the TensorRT build and GPU it was made with, so the builder names
 each plan ``engines/<fingerprint>.plan`` (design 5.1) and the on-device runtime computes the same
 fingerprint to pick a prebuilt engine without importing the builder. So this module imports neither
-TensorRT nor torch: the compute capability is asked of the CUDA driver through ctypes, the L4T
-release is read from ``/etc/nv_tegra_release``, and the TensorRT version is the caller's
-``tensorrt.__version__``.
+TensorRT nor torch: the compute capability and multiprocessor count are asked of the CUDA driver
+through ctypes, the L4T release is read from ``/etc/nv_tegra_release``, and the TensorRT version is
+the caller's ``tensorrt.__version__``.
 """
 
 from __future__ import annotations
@@ -23,15 +23,27 @@ log = logging.getLogger(__name__)
 # CUDA driver attribute ids (cuda.h, CUdevice_attribute).
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """What tells GPUs apart for TensorRT: the architecture (compute capability) and, within one,
+    the size (multiprocessors). Every Orin module is sm87, from the AGX's 16 multiprocessors to
+    the 4 of an Orin Nano 4GB; a plan tuned on one is not meant for another."""
+
+    compute_capability: str  # "8.7"
+    multiprocessors: int | None = None
 
 
 @dataclass(frozen=True)
 class DeviceFingerprint:
-    """What an engine is bound to: TensorRT version, GPU compute capability, L4T release."""
+    """What an engine is bound to: TensorRT version, GPU model, L4T release."""
 
     trt_version: str
     compute_capability: str
     l4t_release: str | None = None
+    multiprocessors: int | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"\d+\.\d+", self.compute_capability):
@@ -40,15 +52,28 @@ class DeviceFingerprint:
             raise EngineError("unexpected TensorRT version string", found=self.trt_version)
         if self.l4t_release is not None and not re.fullmatch(r"\d+(\.\d+)*", self.l4t_release):
             raise EngineError("L4T release must look like '36.4.3'", found=self.l4t_release)
+        if self.multiprocessors is not None and (not isinstance(self.multiprocessors, int)
+                                                 or self.multiprocessors < 1):
+            raise EngineError("multiprocessor count must be a positive integer",
+                              found=self.multiprocessors)
+
+    @classmethod
+    def of(cls, trt_version: str, gpu: GpuModel, l4t_release: str | None) -> DeviceFingerprint:
+        return cls(trt_version=trt_version, compute_capability=gpu.compute_capability,
+                   l4t_release=l4t_release, multiprocessors=gpu.multiprocessors)
 
     def key(self) -> str:
-        """A filesystem-safe name, e.g. ``trt10.3.0.30-sm87-l4t36.4.3``, for ``engines/<key>.plan``.
+        """A filesystem-safe name, e.g. ``trt10.3.0.30-sm87-mp16-l4t36.4.3``, for
+        ``engines/<key>.plan``.
 
         The full TensorRT version is kept (not just major.minor.patch): the standard runtime only
-        loads a plan built by the exact same build.
+        loads a plan built by the exact same build. ``mp16`` is the multiprocessor count, which
+        tells an AGX Orin from an Orin NX or Nano (all sm87).
         """
         version = re.sub(r"[^0-9A-Za-z.]", "_", self.trt_version)
         key = f"trt{version}-sm{self.compute_capability.replace('.', '')}"
+        if self.multiprocessors is not None:
+            key += f"-mp{self.multiprocessors}"
         if self.l4t_release is not None:
             key += f"-l4t{self.l4t_release}"
         return key
@@ -82,8 +107,9 @@ def read_l4t_release(root: Path = Path("/")) -> str | None:
     return f"{match['major']}.{match['revision']}"
 
 
-def cuda_compute_capability(device_index: int = 0, *, library: str = "libcuda.so.1") -> str:
-    """The compute capability (``"8.7"``) of a CUDA device, asked of the driver through ctypes.
+def cuda_gpu_model(device_index: int = 0, *, library: str = "libcuda.so.1") -> GpuModel:
+    """The compute capability and multiprocessor count of a CUDA device, asked of the driver
+    through ctypes.
 
     Raises:
         EngineError: if the driver library cannot be loaded or a driver call fails.
@@ -114,17 +140,12 @@ def cuda_compute_capability(device_index: int = 0, *, library: str = "libcuda.so
     check("cuInit", cuda.cuInit(0))
     device = ctypes.c_int()
     check("cuDeviceGet", cuda.cuDeviceGet(ctypes.byref(device), device_index))
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    check(
-        "cuDeviceGetAttribute",
-        cuda.cuDeviceGetAttribute(
-            ctypes.byref(major), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device
-        ),
-    )
-    check(
-        "cuDeviceGetAttribute",
-        cuda.cuDeviceGetAttribute(
-            ctypes.byref(minor), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device
-        ),
-    )
-    return f"{major.value}.{minor.value}"
+
+    def attribute(number: int) -> int:
+        value = ctypes.c_int()
+        check("cuDeviceGetAttribute", cuda.cuDeviceGetAttribute(ctypes.byref(value), number, device))
+        return value.value
+
+    major = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+    minor = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+    return GpuModel(f"{major}.{minor}", attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from agent import deps
 from agent.errors import ConfigError, EngineError, StopRequested
 from agent.fsutil import atomic_write_bytes
-from models.fingerprint import DeviceFingerprint, cuda_compute_capability, read_l4t_release
+from models.fingerprint import DeviceFingerprint, GpuModel, cuda_gpu_model, read_l4t_release
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -659,7 +659,7 @@ def build_engine(
     onnx_path: Path,
     config: EngineBuildConfig,
     *,
-    compute_capability: Callable[[], str] | None = None,
+    gpu: Callable[[], GpuModel] | None = None,
     root: Path = Path("/"),
     stop_requested: Callable[[], bool] | None = None,
 ) -> EngineBuildResult:
@@ -668,8 +668,8 @@ def build_engine(
     Args:
         onnx_path: The bundle's ``model.onnx`` (external weights, if any, beside it).
         config: Shapes, precision and device options.
-        compute_capability: Returns the GPU's compute capability (``"8.7"``); the default asks the
-            CUDA driver for device 0.
+        gpu: Returns the GPU's model (compute capability and multiprocessor count); the default
+            asks the CUDA driver for device 0.
         root: Filesystem root for ``etc/nv_tegra_release`` (a temporary tree in tests).
         stop_requested: Polled after each step of the build (TensorRT 10.0+, through
             ``IProgressMonitor``); when it returns True the build ends early with
@@ -690,11 +690,8 @@ def build_engine(
     import tensorrt as trt
 
     features = TensorRTFeatures.from_version(trt.__version__)
-    fingerprint = DeviceFingerprint(
-        trt_version=trt.__version__,
-        compute_capability=(compute_capability or cuda_compute_capability)(),
-        l4t_release=read_l4t_release(root),
-    )
+    fingerprint = DeviceFingerprint.of(trt.__version__, (gpu or cuda_gpu_model)(),
+                                       read_l4t_release(root))
     warnings: list[str] = []
     capture = LogCapture()
     logger = _make_logger(capture)

@@ -36,7 +36,7 @@ from agent.errors import (  # noqa: E402
     MissingDependencyError,
     StopRequested,
 )
-from models.fingerprint import DeviceFingerprint, read_l4t_release  # noqa: E402
+from models.fingerprint import DeviceFingerprint, GpuModel, read_l4t_release  # noqa: E402
 from models.tensorrt_builder import build_engine  # noqa: E402
 from tests.fakes.fake_tensorrt import (  # noqa: E402
     FakeCudaDevice,
@@ -71,7 +71,7 @@ class Board:
     @property
     def key(self) -> str:
         return DeviceFingerprint(trt_version=self.trt.__version__, compute_capability="8.7",
-                                 l4t_release=read_l4t_release(self.root)).key()
+                                 l4t_release=read_l4t_release(self.root), multiprocessors=16).key()
 
     def backend(self, artifacts: ModelArtifacts, **options: Any) -> TensorRTBackend:
         return TensorRTBackend(artifacts, BackendOptions(**options), open_device=self.open_device,
@@ -241,7 +241,7 @@ def bundle_plan(board: Board, artifacts: ModelArtifacts, key: str, plan: bytes |
     """The artifacts with a prebuilt plan for ``key`` (built by the fake builder unless given)."""
     if plan is None:
         plan = build_engine(artifacts.onnx_path, engine_build_config(artifacts, {}),
-                            compute_capability=lambda: "8.7", root=board.root).plan
+                            gpu=lambda: GpuModel("8.7", 16), root=board.root).plan
     member = f"engines/{key}.plan"
     (artifacts.directory / "engines").mkdir(exist_ok=True)
     (artifacts.directory / member).write_bytes(plan)
@@ -260,14 +260,23 @@ def test_the_bundle_plan_for_this_fingerprint_is_used(board: Board, artifacts: M
         source = backend.engine_source
         assert source is not None and source.origin == "bundle"
         assert source.path == artifacts.directory / f"engines/{board.key}.plan"
-        assert backend.describe()["fingerprint"] == board.key == "trt10.3.0.30-sm87-l4t36.4.3"
+        assert backend.describe()["fingerprint"] == board.key == "trt10.3.0.30-sm87-mp16-l4t36.4.3"
     assert board.state.builds == []  # nothing built on the device
     assert not artifacts.engine_cache_dir.exists() or not any(artifacts.engine_cache_dir.glob("*.plan"))
 
 
 def test_a_bundle_with_plans_for_other_devices_only_builds_here(board: Board, artifacts: ModelArtifacts) -> None:
-    other = DeviceFingerprint(trt_version="10.3.0.30", compute_capability="8.7", l4t_release="36.3.0").key()
+    other = DeviceFingerprint(trt_version="10.3.0.30", compute_capability="8.7", l4t_release="36.3.0",
+                              multiprocessors=16).key()
     artifacts = bundle_plan(board, artifacts, other)
+    # A plan from an Orin NX (8 multiprocessors) is not used on this AGX (16), nor one from a
+    # fingerprint without the count (a bundle from before it was part of the key).
+    nx = DeviceFingerprint(trt_version="10.3.0.30", compute_capability="8.7", l4t_release="36.4.3",
+                           multiprocessors=8).key()
+    artifacts = bundle_plan(board, artifacts, nx)
+    unsized = DeviceFingerprint(trt_version="10.3.0.30", compute_capability="8.7",
+                                l4t_release="36.4.3").key()
+    artifacts = bundle_plan(board, artifacts, unsized)
     board.state.builds.clear()
     with board.backend(artifacts) as backend:
         assert backend.engine_source is not None and backend.engine_source.origin == "built"

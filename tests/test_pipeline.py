@@ -272,10 +272,11 @@ def test_engine_option_puts_a_plan_for_this_device_in_the_bundle(tmp_path, keys,
     import sys
 
     import models.tensorrt_builder as builder
+    from models.fingerprint import GpuModel
     from tests.fakes.fake_tensorrt import decode_plan, make_fake_tensorrt
 
     monkeypatch.setitem(sys.modules, "tensorrt", make_fake_tensorrt("10.3.0.30"))
-    monkeypatch.setattr(builder, "cuda_compute_capability", lambda: "8.7")
+    monkeypatch.setattr(builder, "cuda_gpu_model", lambda: GpuModel("8.7", 16))
     out = tmp_path / "out"
     assert main(["build", "--model", MODEL, "--key", str(keys), "--out", str(out), *FAST, "--engine"]) == 0
     bundle = open_bundle(out / f"{MODEL}-1.bundle", [load_public_key(Path(f"{keys}.pub"))])

@@ -21,7 +21,8 @@ pytest.importorskip("onnx")
 from agent.errors import ConfigError, EngineError, MissingDependencyError  # noqa: E402
 from models.fingerprint import (  # noqa: E402
     DeviceFingerprint,
-    cuda_compute_capability,
+    GpuModel,
+    cuda_gpu_model,
     read_l4t_release,
 )
 from models.tensorrt_builder import (  # noqa: E402
@@ -43,8 +44,8 @@ TEGRA_RELEASE_R36 = (
 )
 
 
-def orin() -> str:
-    return "8.7"
+def orin() -> GpuModel:
+    return GpuModel("8.7", multiprocessors=16)  # an AGX Orin 64GB
 
 
 @pytest.fixture
@@ -80,7 +81,7 @@ def config(**overrides: Any) -> EngineBuildConfig:
 def build(
     onnx_path: Path, build_config: EngineBuildConfig, root: Path
 ) -> tuple[EngineBuildResult, dict[str, Any]]:
-    result = build_engine(onnx_path, build_config, compute_capability=orin, root=root)
+    result = build_engine(onnx_path, build_config, gpu=orin, root=root)
     return result, decode_plan(result.plan)
 
 
@@ -564,7 +565,7 @@ def test_a_stop_request_ends_the_build_early(
 
     cache_path = tmp_path / "timing.cache"
     with pytest.raises(EngineBuildCancelled) as caught:
-        build_engine(model, config(timing_cache_path=cache_path), compute_capability=orin,
+        build_engine(model, config(timing_cache_path=cache_path), gpu=orin,
                      root=tmp_path, stop_requested=stop_after_first_step)
     assert "stopped on request" in str(caught.value)
     assert isinstance(caught.value, EngineError)
@@ -584,7 +585,7 @@ def test_a_failing_stop_check_does_not_reach_tensorrt(
 
     # Raised into TensorRT's noexcept C++ callback, this would abort the process: the monitor
     # logs it and the build goes on.
-    result = build_engine(model, config(), compute_capability=orin, root=tmp_path,
+    result = build_engine(model, config(), gpu=orin, root=tmp_path,
                           stop_requested=broken)
     assert result.plan
 
@@ -601,7 +602,7 @@ def test_an_interrupt_inside_a_progress_callback_stops_the_build_and_is_raised_a
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_engine(model, config(), compute_capability=orin, root=tmp_path,
+        build_engine(model, config(), gpu=orin, root=tmp_path,
                      stop_requested=interrupted)
     state = state_of(fake)
     assert [call for call in state.progress_calls if call[0] == "step"] == [
@@ -614,7 +615,7 @@ def test_tensorrt_8_5_builds_to_the_end_without_a_progress_monitor(
 ) -> None:
     fake = install_fake("8.5.2.2")
     assert not hasattr(fake, "IProgressMonitor")
-    result = build_engine(model, config(), compute_capability=orin, root=tmp_path,
+    result = build_engine(model, config(), gpu=orin, root=tmp_path,
                           stop_requested=lambda: True)
     assert result.plan and state_of(fake).progress_calls == []
 
@@ -698,17 +699,17 @@ def test_fingerprint_from_the_board(
     (root / "etc" / "nv_tegra_release").write_text(TEGRA_RELEASE_R36)
     result, _ = build(model, config(), root)
     assert result.fingerprint == DeviceFingerprint(
-        trt_version="10.3.0.30", compute_capability="8.7", l4t_release="36.4.3"
+        trt_version="10.3.0.30", compute_capability="8.7", l4t_release="36.4.3", multiprocessors=16
     )
-    assert result.fingerprint.key() == "trt10.3.0.30-sm87-l4t36.4.3"
+    assert result.fingerprint.key() == "trt10.3.0.30-sm87-mp16-l4t36.4.3"
 
 
 def test_fingerprint_off_a_jetson_has_no_l4t(
     install_fake: Callable[[str], types.ModuleType], model: Path, tmp_path: Path
 ) -> None:
     install_fake("10.3.0.30")
-    result = build_engine(model, config(), compute_capability=lambda: "9.0", root=tmp_path)
-    assert result.fingerprint.key() == "trt10.3.0.30-sm90"
+    result = build_engine(model, config(), gpu=lambda: GpuModel("9.0", 132), root=tmp_path)
+    assert result.fingerprint.key() == "trt10.3.0.30-sm90-mp132"
 
 
 @pytest.mark.parametrize(
@@ -753,16 +754,27 @@ def test_fingerprint_key_is_filesystem_safe() -> None:
     assert key == "trt10.0.0_ea-sm87"
 
 
-def test_compute_capability_without_a_driver_is_a_clear_error() -> None:
+def test_orin_modules_of_one_architecture_get_different_fingerprints() -> None:
+    # Every Orin is sm87; the multiprocessor count tells an AGX (16) from an NX or Nano (8, 4).
+    keys = {DeviceFingerprint.of("10.3.0.30", GpuModel("8.7", count), "36.4.3").key()
+            for count in (16, 8, 4)}
+    assert keys == {f"trt10.3.0.30-sm87-mp{count}-l4t36.4.3" for count in (16, 8, 4)}
+    with pytest.raises(EngineError, match="multiprocessor count"):
+        DeviceFingerprint(trt_version="10.3.0.30", compute_capability="8.7", multiprocessors=0)
+
+
+def test_gpu_model_without_a_driver_is_a_clear_error() -> None:
     with pytest.raises(EngineError) as caught:
-        cuda_compute_capability(library="libcuda-does-not-exist.so.1")
+        cuda_gpu_model(library="libcuda-does-not-exist.so.1")
     assert "CUDA driver" in str(caught.value)
 
 
 @pytest.mark.gpu
-def test_compute_capability_from_the_real_driver() -> None:
+def test_gpu_model_from_the_real_driver() -> None:
     if ctypes.util.find_library("cuda") is None:
         pytest.skip("no CUDA driver library on this machine")
-    capability = cuda_compute_capability()
-    major, minor = (int(part) for part in capability.split("."))
+    gpu = cuda_gpu_model()
+    major, minor = (int(part) for part in gpu.compute_capability.split("."))
     assert major >= 5 and minor >= 0
+    assert gpu.multiprocessors is not None and gpu.multiprocessors >= 1
+    print(f"\nCUDA driver: compute {gpu.compute_capability}, {gpu.multiprocessors} multiprocessors")

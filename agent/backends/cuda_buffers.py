@@ -94,6 +94,9 @@ class CudaDevice(Protocol):
     def compute_capability(self) -> str: ...  # "8.7"
 
     @property
+    def multiprocessors(self) -> int: ...  # 16 on an AGX Orin, 8 on an Orin NX
+
+    @property
     def integrated(self) -> bool: ...  # shares DRAM with the CPU (a Jetson)
 
     @property
@@ -182,6 +185,7 @@ class PycudaDevice:
         major, minor = device.compute_capability()
         self._compute_capability = f"{major}.{minor}"
         attribute = driver.device_attribute
+        self._multiprocessors = int(device.get_attribute(attribute.MULTIPROCESSOR_COUNT))
         self._integrated = bool(device.get_attribute(attribute.INTEGRATED))
         self._can_map = bool(device.get_attribute(attribute.CAN_MAP_HOST_MEMORY))
 
@@ -213,6 +217,10 @@ class PycudaDevice:
     @property
     def compute_capability(self) -> str:
         return self._compute_capability
+
+    @property
+    def multiprocessors(self) -> int:
+        return self._multiprocessors
 
     @property
     def integrated(self) -> bool:

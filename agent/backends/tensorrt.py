@@ -64,7 +64,7 @@ from agent.backends.cuda_buffers import (
 from agent import deps
 from agent.errors import EngineError, InputError, InternalError
 from agent.fsutil import atomic_write_bytes, atomic_write_text
-from models.fingerprint import DeviceFingerprint, read_l4t_release
+from models.fingerprint import DeviceFingerprint, GpuModel, read_l4t_release
 from models.tensorrt_builder import EngineBuildConfig, build_engine, init_plugins
 
 if TYPE_CHECKING:
@@ -440,8 +440,8 @@ class TensorRTBackend(Backend):
         """Deserialize the first plan that loads: the bundle's, the cached one, or a new build."""
         if self._log is None:
             raise InternalError("load before the TensorRT log exists")
-        fingerprint = DeviceFingerprint(trt_version=trt_version, compute_capability=device.compute_capability,
-                                        l4t_release=read_l4t_release(self._root))
+        gpu = GpuModel(device.compute_capability, device.multiprocessors)
+        fingerprint = DeviceFingerprint.of(trt_version, gpu, read_l4t_release(self._root))
         key = fingerprint.key()
         bundled = self.artifacts.prebuilt_engines().get(key)
         if bundled is not None:
@@ -477,7 +477,7 @@ class TensorRTBackend(Backend):
             log.info("building the TensorRT engine for %s v%d on this device (%s); this takes a while",
                      self.artifacts.name, self.artifacts.version, key)
             result = build_engine(self.artifacts.onnx_path, config,
-                                  compute_capability=lambda: device.compute_capability, root=self._root,
+                                  gpu=lambda: gpu, root=self._root,
                                   stop_requested=self.options.stop_requested)
             for warning in result.warnings:
                 log.warning("engine build: %s", warning)
@@ -579,7 +579,8 @@ class TensorRTBackend(Backend):
             facts.update(engine=self._source.origin, plan=str(self._source.path),
                          fingerprint=self._source.fingerprint)
         if self._device is not None:
-            facts.update(device=self._device.name, compute_capability=self._device.compute_capability)
+            facts.update(device=self._device.name, compute_capability=self._device.compute_capability,
+                         multiprocessors=self._device.multiprocessors)
         if self._pool is not None:
             facts["host_memory"] = "mapped" if self._pool.mapped else "pinned"
         return facts

@@ -34,6 +34,7 @@ Test knobs and records live on ``fake._state`` (:class:`FakeState`).
 from __future__ import annotations
 
 import base64
+import importlib.machinery
 import ctypes
 import json
 import sys
@@ -262,12 +263,14 @@ class FakeCudaDevice:
         *,
         integrated: bool,
         compute_capability: str = "8.7",
+        multiprocessors: int = 16,
         can_map_host_memory: bool = True,
         name: str = "Fake Orin",
     ) -> None:
         self.gpu = gpu
         self.name = name
         self.compute_capability = compute_capability
+        self.multiprocessors = multiprocessors
         self.integrated = integrated
         self.can_map_host_memory = can_map_host_memory
         self.closed = False
@@ -535,6 +538,9 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
     has_node_name = major >= 10
     state = FakeState(version=version)
     trt = types.ModuleType("tensorrt", "Fake TensorRT (tests/fakes/fake_tensorrt.py)")
+    # A module in sys.modules without a spec breaks importlib.util.find_spec("tensorrt"), which
+    # torch's first import of its compiler stack calls.
+    trt.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)
 
     # -- enums ------------------------------------------------------------------------------
     data_types = {"FLOAT": 0, "HALF": 1, "INT8": 2, "INT32": 3, "BOOL": 4, "UINT8": 5}
