@@ -813,6 +813,16 @@ def build_engine(
             messages=capture.of("ERROR", "INTERNAL_ERROR") or ["(TensorRT logged no error)"],
         )
 
+    ignored = [message for message in capture.of("WARNING", "ERROR")
+               if "obeys the requested constraints" in message]
+    if ignored and config.strict_precision and config.fp16_layers and features.weak_typing:
+        raise EngineError(
+            "TensorRT did not run every FP16 fallback layer in FP16, so the engine is not the "
+            "model the bundle's accuracy report measured (strict_precision = false accepts it)",
+            path=onnx_path,
+            messages=ignored,
+        )
+
     timing_cache: bytes | None = None
     serialized_cache = build_config.get_timing_cache().serialize()
     if serialized_cache is not None:

@@ -332,6 +332,22 @@ def test_corrupt_timing_cache_is_replaced(
     assert cache_path.read_bytes() == result.timing_cache
 
 
+@pytest.mark.parametrize("strict", (True, False))
+def test_an_ignored_fp16_constraint_fails_a_strict_build(
+    strict: bool, install_fake: Callable[[str], types.ModuleType], model: Path, tmp_path: Path
+) -> None:
+    state_of(install_fake("8.5.2.2")).no_kernel_in_constrained_precision = {"conv1"}
+    if strict:
+        with pytest.raises(EngineError) as caught:
+            build(model, config(fp16_layers=("conv1",)), tmp_path)
+        assert "not the model the bundle's accuracy report measured" in str(caught.value)
+        [message] = caught.value.fields["messages"]
+        assert "No implementation of layer conv1 obeys the requested constraints" in message
+    else:
+        result, plan = build(model, config(fp16_layers=("conv1",), strict_precision=False), tmp_path)
+        assert any("conv1 obeys the requested constraints" in warning for warning in result.warnings)
+
+
 # --- DLA ------------------------------------------------------------------------------------------
 
 # DLA runs static shapes only.

@@ -366,6 +366,9 @@ class FakeState:
     num_dla_cores: int = 0
     # When set, every build logs this as an ERROR and returns None.
     fail_build_with: str | None = None
+    # Layers with no kernel in the precision they are constrained to: the build goes on in the
+    # fastest kernel and logs a warning (as TensorRT 8.x did for some layers under strict types).
+    no_kernel_in_constrained_precision: set[str] = field(default_factory=set)
     # Timing caches are keyed by TensorRT version and this (a cache from elsewhere mismatches).
     compute_capability: str = "8.7"
     plugins_initialised: bool = False
@@ -1607,6 +1610,20 @@ def make_fake_tensorrt(version: str = "10.3.0") -> types.ModuleType:  # noqa: C9
         )
         layers = []
         for layer in network._layers:
+            if (
+                constrained
+                and layer._precision is not None
+                and layer._name in state.no_kernel_in_constrained_precision
+            ):
+                _emit(
+                    logger,
+                    "WARNING",
+                    f"No implementation of layer {layer._name} obeys the requested constraints in "
+                    "strict mode. No conforming implementation was found i.e. requested layer "
+                    "computation precision and output precision types are ignored, using the "
+                    "fastest implementation.",
+                )
+                layer._precision = None
             if (
                 not network._strongly_typed
                 and (layer._precision is not None or layer._output_types)
