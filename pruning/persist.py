@@ -123,8 +123,14 @@ def _is_under(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
-def _resolve_trusted_class(name: str, trusted: Sequence[str], path: Path) -> type:
-    """Import the class ``name`` ("package.module.Class") if a trusted package holds it."""
+# Modules may keep an activation function as an attribute (``self.act = F.relu``, as
+# nn.TransformerEncoderLayer does): functions of this module are allowed as well as classes.
+_FUNCTIONS_MODULE = "torch.nn.functional"
+
+
+def _resolve_trusted_class(name: str, trusted: Sequence[str], path: Path) -> Any:
+    """Import the class ``name`` ("package.module.Class") if a trusted package holds it (or a
+    function of ``torch.nn.functional``)."""
     parts = name.split(".")
     # The pickle names module and attribute joined by a dot; try the longest module path first,
     # and import only module paths inside a trusted package.
@@ -143,10 +149,13 @@ def _resolve_trusted_class(name: str, trusted: Sequence[str], path: Path) -> typ
             continue
         if isinstance(target, type) and issubclass(target, nn.Module):
             return target
+        if module_name == _FUNCTIONS_MODULE and callable(target) and not isinstance(target, type):
+            return target
         break
     raise UntrustedClassError(
-        "pruned model file refers to a class that is not a trusted nn.Module; pass its package "
-        "in trusted_modules if you trust this file",
+        "pruned model file refers to a class that is not a trusted nn.Module (or a function "
+        "that is not in torch.nn.functional); pass its package in trusted_modules if you trust "
+        "this file",
         path=path,
         found=name,
         trusted=", ".join(trusted),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from agent.errors import PruningError
+from agent.errors import ConfigError, PruningError
 from pruning.config import PruneConfig
 from pruning.pruner import (
     AlignedPruner,
@@ -94,9 +94,16 @@ def prune_model(
     # Only Taylor importance reads gradients; None skips the gradient pass for the others.
     gradient_batches = loss_batches if config.importance == "taylor" else None
     level = logging.INFO if progress else logging.DEBUG
+    if not isinstance(example_input, Tensor):
+        raise ConfigError("example_input must be one tensor (a batch for the model's single "
+                          "input)", key="example_input", found=type(example_input).__name__)
     working = copy.deepcopy(model)
     input_shape = tuple(example_input.shape)
-    reference_shapes = output_shapes(working, example_input)
+    try:
+        reference_shapes = output_shapes(working, example_input)
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        raise ConfigError("the model does not run on example_input",
+                          shape=list(input_shape), reason=str(exc).splitlines()[0][:300]) from exc
     before = measure(working, example_input)
 
     if config.target_macs is None:
@@ -188,10 +195,18 @@ def _make_pruner(
 def _check_output_shapes(
     model: nn.Module, example_input: Tensor, reference: list[tuple[int, ...]]
 ) -> None:
-    found = output_shapes(model, example_input)
+    try:
+        found = output_shapes(model, example_input)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise PruningError(
+            "the pruned model no longer runs: some layer depends on a channel count that pruning "
+            "changed (a hard-coded view or reshape, or attention heads); keep the layers around it "
+            "out of pruning with ignored_layer_names",
+            reason=str(exc).splitlines()[0][:300],
+        ) from exc
     if found != reference:
         raise PruningError(
-            "pruning changed the shape of the model's output; add the output layer to "
+            "pruning changed the shape of the model's output; add the layer that produces it to "
             "ignored_layer_names",
             expected=reference,
             found=found,

@@ -11,10 +11,11 @@ floor.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -84,29 +85,65 @@ class AlignedPruner(tp.pruner.BasePruner):
         # Tracing the graph runs a forward pass and torch-pruning switches the model to eval mode
         # for it without switching back; restore the caller's mode.
         try:
-            super().__init__(
-                model,
-                example_input,
-                importance,
-                max_pruning_ratio=max_layer_ratio,
-                **options,
-            )
+            with traceable(model):
+                super().__init__(
+                    model,
+                    example_input,
+                    importance,
+                    max_pruning_ratio=max_layer_ratio,
+                    **options,
+                )
         finally:
             model.train(was_training)
+
+    def _is_atten_group(self, group: Any) -> Any:
+        # torch-pruning calls this (and nothing else we can hook) with each group just before it
+        # rounds that group's pruning count: remember the group so _round_to knows which layer it
+        # rounds and in how many channel groups (grouped convolutions) the count applies.
+        self._rounding_group = group
+        return super()._is_atten_group(group)
 
     def _round_to(self, n_pruned: int, current_channels: int, round_to: int) -> int:
         # Overrides torch-pruning's private rounding hook (torch-pruning 1.6.1; the host extra pins
         # <1.7). BasePruner calls it, whenever round_to is set, with the number of channels the
         # criterion chose to remove from one layer group. tests/test_pruning.py fails if a new
         # release stops calling it (64-wide ResNet-18 layers would stay unpruned at ratio 0.6).
-        min_keep = max(1, math.ceil(current_channels * (1.0 - self._max_layer_ratio)))
+        #
+        # For a layer with channel groups (a grouped convolution), ``n_pruned`` counts channels of
+        # one group, and the library removes that many from every group; the layer keeps the
+        # same number in each group, so its width is a multiple of the group count.
+        group = getattr(self, "_rounding_group", None)
+        channel_groups = self._get_channel_groups(group) if group is not None else 1
+        if channel_groups < 1 or current_channels % channel_groups:
+            channel_groups = 1
+        module = group[0].dep.target.module if group is not None else None
+        # The max_layer_ratio floor counts from the layer's width before any step, as
+        # torch-pruning's own check does: per step, several steps would remove more.
+        original = self.layer_init_out_ch.get(module) or current_channels
+        min_keep = max(1, math.ceil(original * (1.0 - self._max_layer_ratio)))
+        step = round_to * channel_groups // math.gcd(round_to, channel_groups)
         keep = aligned_width(
             current_channels,
-            current_channels - n_pruned,
-            round_to=max(1, round_to),
+            current_channels - n_pruned * channel_groups,
+            round_to=max(1, step),
             min_keep=min_keep,
         )
-        return current_channels - keep
+        return (current_channels - keep) // channel_groups
+
+
+@contextlib.contextmanager
+def traceable(model: nn.Module) -> Iterator[None]:
+    """Let torch-pruning see frozen layers: it traces the model through autograd, and a layer
+    whose parameters do not require gradients (and whose input does not) leaves no trace, so it
+    would be neither pruned nor adjusted to its pruned neighbours."""
+    frozen = [parameter for parameter in model.parameters() if not parameter.requires_grad]
+    for parameter in frozen:
+        parameter.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
 
 
 def output_channel_counts(model: nn.Module, example_input: Tensor) -> set[int]:
@@ -143,11 +180,15 @@ def layers_to_ignore(
 
     Those are the classifier (every ``nn.Linear`` whose ``out_features`` equals the size of one
     of the model's outputs; a hidden layer of the same width is kept too, which only costs a
-    little pruning) and the modules named in ``ignored_layer_names``.
+    little pruning), the convolutions that produce an output's channels
+    (:func:`output_convolutions`) and the modules named in ``ignored_layer_names``.
 
     Raises:
         ConfigError: A name in ``ignored_layer_names`` is not a module of ``model``.
     """
+    if isinstance(ignored_layer_names, str):
+        raise ConfigError("ignored_layer_names must be a sequence of module names, not one string",
+                          key="ignored_layer_names", found=ignored_layer_names)
     modules = dict(model.named_modules())
     unknown = [name for name in ignored_layer_names if name not in modules]
     if unknown:
@@ -162,8 +203,55 @@ def layers_to_ignore(
         for module in model.modules()
         if isinstance(module, nn.Linear) and module.out_features in output_counts
     ]
-    ignored += [modules[name] for name in ignored_layer_names]
+    ignored += output_convolutions(model, example_input)
+    # A named container keeps every layer inside it (as torch-pruning's pruner expands it; its
+    # dependency graph, which the sensitivity scan walks, does not).
+    ignored += [module for name in ignored_layer_names for module in modules[name].modules()]
     return ignored
+
+
+def output_convolutions(model: nn.Module, example_input: Tensor) -> list[nn.Module]:
+    """Convolutions whose output channels are the channels of one of the model's outputs: a
+    1x1 convolution classifier before global pooling, the last layer of a segmentation net.
+
+    Told apart from hidden layers of the same width by what a change reaches: a change to one
+    channel of such a convolution changes that one channel of an output and no other (a hidden
+    layer's channel reaches every channel through the layers after it).
+    """
+    counts = output_channel_counts(model, example_input)
+    candidates = [module for module in model.modules()
+                  if isinstance(module, nn.modules.conv._ConvNd) and module.out_channels in counts]
+    if not candidates:
+        return []
+    was_training = model.training
+    model.eval()
+    found = []
+    try:
+        with torch.no_grad():
+            baseline = _flatten_tensors(model(example_input))
+            for module in candidates:
+                def nudge(_module: nn.Module, _inputs: Any, output: Tensor) -> Tensor:
+                    changed = output.clone()
+                    changed[:, 0] += 1.0 + output.detach().abs().mean()
+                    return changed
+
+                handle = module.register_forward_hook(nudge)
+                try:
+                    nudged = _flatten_tensors(model(example_input))
+                finally:
+                    handle.remove()
+                for before, after in zip(baseline, nudged):
+                    if before.dim() < 2 or before.shape[1] != module.out_channels:
+                        continue
+                    moved = (after - before).abs().flatten(2) if before.dim() > 2 else \
+                        (after - before).abs().unsqueeze(2)
+                    channels = torch.nonzero(moved.amax(dim=(0, 2)) > 1e-6).flatten().tolist()
+                    if channels == [0]:
+                        found.append(module)
+                        break
+    finally:
+        model.train(was_training)
+    return found
 
 
 def copy_with_gradients(model: nn.Module) -> nn.Module:
@@ -199,7 +287,8 @@ def accumulate_gradients(
     model.zero_grad(set_to_none=True)
     batches = 0
     try:
-        with torch.enable_grad():
+        # Frozen layers are ranked too: they need a gradient for that, not training.
+        with torch.enable_grad(), traceable(model):
             for images, labels in loss_batches():
                 loss_function(model(images), labels).backward()
                 batches += 1
@@ -207,4 +296,17 @@ def accumulate_gradients(
         model.train(was_training)
     if batches == 0:
         raise PruningError("taylor importance needs at least one batch; loss_batches gave none")
+    unreached = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, ROOT_MODULE_TYPES) and module.weight.grad is None
+    ]
+    if unreached:
+        raise PruningError(
+            "taylor importance ranks channels by weight x loss gradient, but the loss does not "
+            "reach these layers (a head the loss does not use?): use l1 or l2 importance, or add "
+            "them to ignored_layer_names",
+            layers=", ".join(unreached[:8]) + (f" and {len(unreached) - 8} more"
+                                                if len(unreached) > 8 else ""),
+        )
     return batches

@@ -34,6 +34,7 @@ from pruning.pruner import (
     copy_with_gradients,
     layers_to_ignore,
     make_importance,
+    traceable,
 )
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,8 @@ def _prunable_groups(
     ignored = layers_to_ignore(model, example_input, ignored_layer_names)
     was_training = model.training
     try:
-        graph = tp.DependencyGraph().build_dependency(model, example_inputs=example_input)
+        with traceable(model):
+            graph = tp.DependencyGraph().build_dependency(model, example_inputs=example_input)
     finally:
         model.train(was_training)  # tracing leaves the model in eval mode
     groups = []

@@ -250,8 +250,12 @@ def _driver_current_context() -> int:
 @pytest.mark.gpu
 def test_auto_mode_follows_the_device(gpu: PycudaDevice) -> None:
     assert choose_host_memory(gpu) is (gpu.integrated and gpu.can_map_host_memory)
-    print(f"\n{gpu.name}: compute {gpu.compute_capability}, integrated={int(gpu.integrated)}, "
-          f"can_map_host_memory={int(gpu.can_map_host_memory)}")
+    # pycuda and the driver query the fingerprint uses off the device (ctypes) agree on the model.
+    from models.fingerprint import cuda_gpu_model
+
+    assert cuda_gpu_model() == GpuModel(gpu.compute_capability, gpu.multiprocessors)
+    print(f"\n{gpu.name}: compute {gpu.compute_capability}, {gpu.multiprocessors} multiprocessors, "
+          f"integrated={int(gpu.integrated)}, can_map_host_memory={int(gpu.can_map_host_memory)}")
 
 
 @pytest.mark.gpu

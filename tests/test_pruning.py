@@ -301,15 +301,89 @@ def test_unknown_ignored_layer_is_an_error():
     assert caught.value.fields["found"] == "no_such_layer"
 
 
-def test_output_layer_without_a_classifier_must_be_named():
+class DeepConvHeadNet(nn.Module):
+    """Three 64-wide convolutions; the last one's channels are the output's (a dense head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(64, 64, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class PooledConvClassifier(nn.Module):
+    """A 1x1 convolution classifier before global pooling (no Linear at all)."""
+
+    def __init__(self, classes: int = 100) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 128, 3, padding=1), nn.ReLU())
+        self.classifier = nn.Conv2d(128, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x)).mean(dim=(2, 3))
+
+
+def test_convolutions_that_produce_the_output_are_kept_without_being_named():
     torch.manual_seed(0)
-    model = ConvHeadNet().eval()
     example = torch.randn(1, 3, 8, 8)
-    with pytest.raises(PruningError, match="shape of the model's output"):
-        prune_model(model, example, PruneConfig(ratio=0.5, round_to=8), progress=False)
-    config = PruneConfig(ratio=0.5, round_to=8, ignored_layer_names=("body.2",))
-    result = prune_model(model, example, config, progress=False)
+    result = prune_model(ConvHeadNet().eval(), example, PruneConfig(ratio=0.5, round_to=8),
+                         progress=False)
     assert conv_widths(result.model) == {"body.0": (3, 32), "body.2": (32, 64)}
+    # Hidden convolutions as wide as the output are still pruned; only the last one is kept.
+    result = prune_model(DeepConvHeadNet().eval(), example, PruneConfig(ratio=0.5, round_to=8),
+                         progress=False)
+    assert conv_widths(result.model) == {"body.0": (3, 32), "body.2": (32, 32), "body.4": (32, 64)}
+    result = prune_model(PooledConvClassifier().eval(), example,
+                         PruneConfig(ratio=0.5, round_to=8), progress=False)
+    assert conv_widths(result.model) == {"features.0": (3, 64), "classifier": (64, 100)}
+
+
+def test_grouped_convolutions_keep_aligned_widths_in_equal_groups():
+    class Grouped(nn.Module):
+        def __init__(self, width: int, groups: int) -> None:
+            super().__init__()
+            self.a = nn.Conv2d(3, width, 3, padding=1)
+            self.b = nn.Conv2d(width, width, 3, padding=1, groups=groups)
+            self.c = nn.Conv2d(width, 64, 1)
+            self.fc = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+            return self.fc(x.mean((2, 3)))
+
+    example = torch.randn(2, 3, 16, 16)
+    for width, groups in ((128, 4), (120, 4), (128, 1)):
+        torch.manual_seed(0)
+        result = prune_model(Grouped(width, groups), example, PruneConfig(ratio=0.5, round_to=32),
+                             progress=False)
+        kept = result.model.b.out_channels
+        # Half of 128 is 64; 120 rounds to the nearest multiple of 32 that 4 groups share.
+        assert kept == 64 and kept % groups == 0, (width, groups, kept)
+        assert result.model.b.groups == groups
+        assert result.report.misaligned_layers() == []
+
+
+def test_the_layer_ratio_cap_counts_from_the_original_width_over_steps():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Conv2d(3, 96, 3, padding=1)
+            self.fc = nn.Linear(96, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(torch.relu(self.a(x)).mean((2, 3)))
+
+    example = torch.randn(2, 3, 16, 16)
+    widths = set()
+    for steps in (1, 2, 3):
+        torch.manual_seed(0)
+        config = PruneConfig(ratio=0.6, round_to=32, max_layer_ratio=0.6, iterative_steps=steps)
+        widths.add(prune_model(Net(), example, config, progress=False).model.a.out_channels)
+    assert widths == {64}  # at most 60 % of 96 may go: 32 would remove 67 %
 
 
 # --- target MACs, steps, Taylor -------------------------------------------------------------
@@ -553,3 +627,100 @@ def test_sensitivity_scan_validates_its_arguments(trained_small_cnn, digits):
         sensitivity_scan(
             trained_small_cnn, small_input(), held_out_top1(digits), importance="taylor"
         )
+
+
+# --- user models that go beyond the example's shape --------------------------------------------
+
+
+class TwoHeads(nn.Module):
+    """A shared body with a class head and a box head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU())
+        self.cls = nn.Linear(64, 4)
+        self.box = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.body(x).mean(dim=(2, 3))
+        return self.cls(features), self.box(features)
+
+
+def test_taylor_importance_names_layers_the_loss_does_not_reach():
+    batches = lambda: [(torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))]  # noqa: E731
+    only_classes = lambda outputs, labels: nn.functional.cross_entropy(outputs[0], labels)  # noqa: E731
+    torch.manual_seed(0)
+    with pytest.raises(PruningError, match="loss does not reach") as caught:
+        prune_model(TwoHeads().eval(), torch.randn(1, 3, 8, 8),
+                    PruneConfig(ratio=0.5, round_to=8, importance="taylor"),
+                    loss_batches=batches, loss_function=only_classes, progress=False)
+    assert caught.value.fields["layers"] == "box"
+
+
+def test_taylor_importance_ranks_frozen_layers_and_leaves_them_frozen():
+    model = random_small_cnn()
+    for parameter in model.stem.parameters():
+        parameter.requires_grad_(False)
+    batches = lambda: [(small_input(4), torch.randint(0, 10, (4,)))]  # noqa: E731
+    result = prune_model(model, small_input(), PruneConfig(ratio=0.5, round_to=8, importance="taylor"),
+                         loss_batches=batches, progress=False)
+    assert conv_widths(result.model)["stem.0"][1] < conv_widths(model)["stem.0"][1]
+    assert not any(parameter.requires_grad for parameter in model.stem.parameters())
+
+
+def test_a_pruned_model_that_no_longer_runs_is_a_pruning_error():
+    class FixedView(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 64, 3, padding=1)
+            self.fc = nn.Linear(64 * 4, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            pooled = nn.functional.adaptive_avg_pool2d(self.conv(x), 2)
+            return self.fc(pooled.view(x.shape[0], 64 * 4))  # the width is written in
+
+    with pytest.raises(PruningError, match="no longer runs") as caught:
+        prune_model(FixedView().eval(), torch.randn(1, 3, 8, 8), PruneConfig(ratio=0.5, round_to=8),
+                    progress=False)
+    assert caught.value.fields["reason"]
+
+
+def test_an_example_the_model_cannot_take_is_a_config_error():
+    with pytest.raises(ConfigError, match="one tensor"):
+        prune_model(random_small_cnn(), (small_input(),), PruneConfig(ratio=0.5), progress=False)
+    with pytest.raises(ConfigError, match="does not run on example_input") as caught:
+        prune_model(random_small_cnn(), torch.randn(1, 5, 8, 8), PruneConfig(ratio=0.5),
+                    progress=False)
+    assert caught.value.fields["shape"] == [1, 5, 8, 8]
+
+
+def test_sensitivity_scan_keeps_every_layer_of_an_ignored_container(trained_small_cnn, digits):
+    entries = sensitivity_scan(trained_small_cnn, small_input(), held_out_top1(digits), ratios=(0.5,),
+                               round_to=8, ignored_layer_names=("block_a",), progress=False)
+    assert "block_a.0" not in {layer for entry in entries for layer in entry.coupled_layers}
+    with pytest.raises(ConfigError, match="not one string"):
+        sensitivity_scan(trained_small_cnn, small_input(), held_out_top1(digits), ratios=(0.5,),
+                         ignored_layer_names="block_a", progress=False)
+
+
+class ActivationAttribute(nn.Module):
+    """Keeps its activation as a function attribute, as nn.TransformerEncoderLayer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.act = nn.functional.relu
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.act(self.conv(x)).mean(dim=(2, 3)))
+
+
+def test_a_model_holding_a_torch_function_saves_and_loads(tmp_path):
+    model = ActivationAttribute().eval()
+    path = tmp_path / "act.pt"
+    save_pruned(model, path)
+    loaded = load_pruned(path, trusted_modules=(ActivationAttribute.__module__,))
+    batch = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(batch), model(batch))
