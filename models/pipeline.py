@@ -760,7 +760,8 @@ def format_summary(result: BuildResult) -> str:
                      "folds ReLUs into a finer UINT8 step; TensorRT runs the line above)")
     if len(accuracy.get("outputs", [])) > 1:
         lines.append("  outputs, INT8 against FP32: " + ", ".join(
-            f"{output['name']} {output['sqnr_db']:.1f} dB"
+            f"{output['name']} "
+            + ("exact" if output["sqnr_db"] is None else f"{output['sqnr_db']:.1f} dB")
             + ("" if output["judged_by_budget"] else " (not budgeted)")
             for output in accuracy["outputs"]))
     fp16 = report["quantization"]["fp16_layers"]

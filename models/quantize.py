@@ -78,6 +78,12 @@ class QuantizeConfig:
             raise ConfigError("percentile must be in (90, 100]", found=self.percentile)
 
 
+def finite_or_none(value: float, digits: int) -> float | None:
+    """``value`` rounded, or None (JSON null) where it is infinite: an SQNR is infinite when the
+    INT8 output equals the float one (nothing quantized on its path), and JSON has no infinity."""
+    return round(value, digits) if np.isfinite(value) else None
+
+
 @dataclass(frozen=True)
 class LayerSensitivity:
     name: str
@@ -90,7 +96,7 @@ class LayerSensitivity:
         return {
             "name": self.name,
             "op_type": self.op_type,
-            "sqnr_db": round(self.sqnr_db, 2),
+            "sqnr_db": finite_or_none(self.sqnr_db, 2),
             "cosine": round(self.cosine, 6),
             "metric": round(self.metric, 3),
         }
@@ -108,7 +114,7 @@ class OutputFidelity:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "sqnr_db": round(self.sqnr_db, 2),
+            "sqnr_db": finite_or_none(self.sqnr_db, 2),
             "cosine": round(self.cosine, 6),
             "judged_by_budget": self.judged,
         }
@@ -323,7 +329,17 @@ class QdqQuantizer:
         raw_path = self.workdir / "float.raw.onnx"
         atomic_write_bytes(raw_path, float_model)
         # Shape inference and basic graph optimisation, as ONNX Runtime recommends before QDQ.
-        self._quantization.quant_pre_process(str(raw_path), str(self.float_path))
+        try:
+            self._quantization.quant_pre_process(str(raw_path), str(self.float_path))
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises a bare Exception here
+            if "symbolic shape inference" not in str(exc):
+                raise
+            # Its symbolic shape inference gives up on some graphs (a UNet's skip
+            # concatenations, for one); ONNX's own shape inference is enough for quantization.
+            log.warning("ONNX Runtime's symbolic shape inference could not complete (%s); "
+                        "quantizing with ONNX's shape inference only", exc)
+            self._quantization.quant_pre_process(str(raw_path), str(self.float_path),
+                                                 skip_symbolic_shape=True)
         self.float_model = onnx.load(str(self.float_path))
         self.candidates = [
             (node.name, node.op_type)

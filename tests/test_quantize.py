@@ -14,6 +14,7 @@ from models.data import load_digits_splits  # noqa: E402
 from models.export import export_onnx  # noqa: E402
 from models.quantize import (  # noqa: E402
     Evaluator,
+    check_qdq_format,
     QdqQuantizer,
     model_outputs,
     QuantizeConfig,
@@ -306,3 +307,42 @@ def test_invalid_config_names_the_field(field, value):
     with pytest.raises(ConfigError) as error:
         QuantizeConfig(**{field: value})
     assert str(value) in str(error.value)
+
+
+class _TinyUNet(torch.nn.Module):
+    """A skip concatenation after a transposed convolution: ONNX Runtime's symbolic shape
+    inference gives up on this graph at dynamic sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.up = torch.nn.ConvTranspose2d(8, 8, 2, 2)
+        self.out = torch.nn.Conv2d(11, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.cat([self.up(torch.relu(self.down(x))), x], 1))
+
+
+def test_a_graph_symbolic_shape_inference_gives_up_on_still_quantizes(tmp_path, caplog):
+    torch.manual_seed(0)
+    exported = export_onnx(_TinyUNet().eval(), torch.randn(2, 3, 16, 16))
+    assert exported.dynamic_spatial
+    samples = np.random.default_rng(0).random((16, 3, 16, 16), dtype=np.float32)
+    with caplog.at_level("WARNING", logger="models.quantize"):
+        quantizer = QdqQuantizer(exported.model_bytes, from_array(samples, exported.input_name, 16),
+                                 QuantizeConfig(progress=False), tmp_path)
+    assert any("symbolic shape inference could not complete" in record.getMessage()
+               for record in caplog.records)
+    assert len(quantizer.candidates) == 3
+    check_qdq_format(quantizer.quantize())
+
+
+def test_infinite_sqnr_is_written_as_null():
+    import json
+
+    from models.quantize import LayerSensitivity, OutputFidelity
+
+    exact = OutputFidelity("logits", float("inf"), 1.0, judged=True).to_dict()
+    layer = LayerSensitivity("conv", "Conv", float("inf"), 1.0, 99.0).to_dict()
+    assert exact["sqnr_db"] is None and layer["sqnr_db"] is None
+    json.dumps([exact, layer], allow_nan=False)  # what the manifest's writer requires
