@@ -96,6 +96,19 @@ class AlignedPruner(tp.pruner.BasePruner):
         finally:
             model.train(was_training)
 
+    def step(self, interactive: bool = False) -> Any:
+        """One pruning step; torch-pruning's failures on graphs it cannot follow become a
+        PruningError that says what to do."""
+        try:
+            return super().step(interactive)
+        except (IndexError, RuntimeError, ValueError, KeyError) as exc:
+            raise PruningError(
+                "torch-pruning could not prune this model: some layers couple channels in a way "
+                "it cannot follow (hand-written attention that reshapes heads, a parameter used "
+                "outside a layer); keep those layers out with ignored_layer_names",
+                reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+            ) from exc
+
     def _is_atten_group(self, group: Any) -> Any:
         # torch-pruning calls this (and nothing else we can hook) with each group just before it
         # rounds that group's pruning count: remember the group so _round_to knows which layer it

@@ -724,3 +724,52 @@ def test_a_model_holding_a_torch_function_saves_and_loads(tmp_path):
     batch = torch.randn(1, 3, 8, 8)
     with torch.no_grad():
         assert torch.equal(loaded(batch), model(batch))
+
+
+class HeadsAttention(nn.Module):
+    """Attention whose heads are cut out of one qkv projection by reshapes."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.project = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        return self.project(((q @ k.transpose(-2, -1)).softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class TinyTransformer(nn.Module):
+    """Patch embedding, a learned position table and one pre-norm transformer block: the
+    channel coupling torch-pruning 1.6 cannot follow without head counts."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, width, 8, 8)
+        self.position = nn.Parameter(torch.zeros(1, 16, width))
+        self.norm1 = nn.LayerNorm(width)
+        self.attention = HeadsAttention(width, 4)
+        self.norm2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2) + self.position
+        x = x + self.attention(self.norm1(x))
+        x = x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+        return self.head(self.norm(x).mean(1))
+
+
+def test_a_model_torch_pruning_cannot_follow_is_a_pruning_error():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch-pruning's note about the position table
+        with pytest.raises(PruningError, match="torch-pruning could not prune this model") as caught:
+            prune_model(TinyTransformer().eval(), torch.randn(2, 3, 32, 32), PruneConfig(ratio=0.5),
+                        progress=False)
+    assert caught.value.fields["reason"].startswith("IndexError")
