@@ -74,7 +74,8 @@ def expected_accuracy(manifest: dict[str, Any], backend: str) -> str:
         return ""
     if backend == "onnxruntime" and "int8_onnxruntime_served" in accuracy:
         return (f"; the bundle's report: {accuracy['int8_onnxruntime_served']:.2f}% as ONNX "
-                f"Runtime serves it, {accuracy['int8']:.2f}% as TensorRT runs it")
+                f"Runtime serves it, {accuracy['int8']:.2f}% for the model TensorRT runs (QDQ, "
+                "measured on this host)")
     return f"; the bundle's report: {accuracy['int8']:.2f}%" if "int8" in accuracy else ""
 
 

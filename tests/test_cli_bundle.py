@@ -487,3 +487,20 @@ def test_a_deeply_nested_document_is_a_one_line_error(
     else:
         status, _, err = run_cli(capsys, "inspect", hostile)
         assert_one_line_error(status, err, "nested too deeply")
+
+
+def test_help_shows_every_value_default_once() -> None:
+    import argparse
+
+    from agent.cli import build_parser
+
+    parser = build_parser()
+    subcommands = next(action for action in parser._actions
+                       if isinstance(action, argparse._SubParsersAction)).choices
+    build_help = subcommands["build"].format_help()
+    assert "(default: 512)" in build_help and "(default: out)" in build_help
+    assert "(default: None)" not in build_help and "(default: False)" not in build_help
+    assert build_help.count("default: l2") == 1  # already named in its own help text
+    bench_kinds = next(action for action in subcommands["bench"]._actions
+                       if isinstance(action, argparse._SubParsersAction)).choices
+    assert "(default: 0.75)" in bench_kinds["pipeline"].format_help()

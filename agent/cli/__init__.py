@@ -45,7 +45,25 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: X)" to the help of every option, in every subcommand, whose default is a
+    value (not None or a flag's False) and whose help does not already name its default."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in set(action.choices.values()):
+                _show_defaults(subparser)
+            continue
+        if (not action.option_strings or action.help == argparse.SUPPRESS
+                or action.default in (None, False, argparse.SUPPRESS)
+                or "default" in (action.help or "")):
+            continue
+        shown = ", ".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) \
+            else str(action.default)
+        action.help = f"{action.help or ''} (default: {shown.replace('%', '%%')})".lstrip()
 
 
 # Commands whose work (staging directories, temporary stores) is cleaned up on the way out: a

@@ -51,20 +51,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--prune-steps", type=int, help="iterative pruning steps (default: 1)")
     build.add_argument("--finetune-epochs", type=int,
                        help="epochs of fine-tuning after each pruning step (default: 12)")
-    build.add_argument("--calib-samples", type=int, default=512)
+    build.add_argument("--calib-samples", type=int, default=512, metavar="N",
+                       help="calibration samples to use (500-1000 recommended)")
     build.add_argument("--calib-method", choices=("entropy", "percentile", "minmax"),
-                       default="entropy")
+                       default="entropy", help="how INT8 ranges are chosen")
     build.add_argument("--accuracy-budget", type=float, default=1.0, metavar="POINTS",
                        help="largest top-1 (or agreement) drop allowed, in points; after "
                             "pruning it counts from the unpruned model")
     build.add_argument("--key", type=Path, help="Ed25519 private key (PEM) to sign with")
-    build.add_argument("--out", type=Path, default=Path("out"), metavar="DIR")
+    build.add_argument("--out", type=Path, default=Path("out"), metavar="DIR",
+                       help="where the bundle, report and a new key go")
     build.add_argument("--name", help="bundle name (default: from the model)")
     build.add_argument("--version", type=int, dest="bundle_version",
                        help="bundle version (default: one more than the newest in DIR)")
-    build.add_argument("--max-batch", type=int, default=32)
-    build.add_argument("--opt-batch", type=int, default=8)
-    build.add_argument("--threads", type=int, default=2)
+    build.add_argument("--max-batch", type=int, default=32, metavar="N",
+                       help="largest batch the engine profile allows")
+    build.add_argument("--opt-batch", type=int, default=8, metavar="N",
+                       help="batch the engine is tuned for")
+    build.add_argument("--threads", type=int, default=2, metavar="N",
+                       help="CPU threads for PyTorch and ONNX Runtime on this host")
     build.add_argument("--engine", action="store_true",
                        help="also build a TensorRT engine for this machine (needs TensorRT)")
     build.add_argument("--json", action="store_true", help="print the report as JSON")

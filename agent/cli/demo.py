@@ -13,16 +13,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="build the example bundle if missing, serve it and send it real digit images",
         description=(
-            "The main job on the embedded defaults: builds out/demo/resnet18-digits-N.bundle when "
+            "The main job on the embedded defaults: builds OUT/resnet18-digits-N.bundle when "
             "there is none (needs the host extra), installs it into a fresh store under "
             "OUT/state, starts the daemon on a free loopback port, sends the held-out digits "
             "from concurrent clients and through shared memory, prints predictions, latency and "
             "metrics, and shuts down cleanly."
         ),
     )
-    demo.add_argument("--out", type=Path, default=Path("out/demo"), metavar="DIR")
+    demo.add_argument("--out", type=Path, default=Path("out/demo"), metavar="OUT",
+                      help="where the bundle, its key and the daemon's state go")
     demo.add_argument("--requests", type=int, default=360, help="images to send (max 360)")
-    demo.add_argument("--concurrency", type=int, default=8)
+    demo.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
     demo.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
     demo.set_defaults(handler=run)
 
