@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,17 @@ class QuantizeConfig:
                               found=self.reference_metric)
         if not 90.0 < self.percentile <= 100.0:
             raise ConfigError("percentile must be in (90, 100]", found=self.percentile)
+
+
+@contextlib.contextmanager
+def _working_directory(path: Path) -> Iterator[None]:
+    """Run a block in ``path`` (builds are single-threaded where this is used)."""
+    before = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 def finite_or_none(value: float, digits: int) -> float | None:
@@ -329,8 +341,13 @@ class QdqQuantizer:
         raw_path = self.workdir / "float.raw.onnx"
         atomic_write_bytes(raw_path, float_model)
         # Shape inference and basic graph optimisation, as ONNX Runtime recommends before QDQ.
+        # In the work directory: when its symbolic shape inference gives up, ONNX Runtime saves
+        # sym_shape_infer_temp.onnx and a <uuid>.data file into the current directory.
+        present = set(self.workdir.iterdir())
         try:
-            self._quantization.quant_pre_process(str(raw_path), str(self.float_path))
+            with _working_directory(self.workdir):
+                self._quantization.quant_pre_process(str(raw_path.resolve()),
+                                                     str(self.float_path.resolve()))
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises a bare Exception here
             if "symbolic shape inference" not in str(exc):
                 raise
@@ -340,6 +357,8 @@ class QdqQuantizer:
                         "quantizing with ONNX's shape inference only", exc)
             self._quantization.quant_pre_process(str(raw_path), str(self.float_path),
                                                  skip_symbolic_shape=True)
+            for leftover in set(self.workdir.iterdir()) - present - {self.float_path}:
+                leftover.unlink(missing_ok=True)  # ONNX Runtime's debug copy of the model
         self.float_model = onnx.load(str(self.float_path))
         self.candidates = [
             (node.name, node.op_type)
