@@ -141,8 +141,8 @@ def _default_size(manifest: dict[str, Any]) -> int:
     """224, the typical deployed frame, unless the bundle's engine profile does not reach it:
     then the profile's optimum height."""
     profile = manifest.get("engine_profile") or {}
-    spans = [profile.get(axis) for axis in ("height", "width")]
-    spans = [span for span in spans if isinstance(span, list) and len(span) == 3]
+    spans: list[list[int]] = [span for span in (profile.get(axis) for axis in ("height", "width"))
+                              if isinstance(span, list) and len(span) == 3]
     if all(span[0] <= DEFAULT_INPUT_SIZE <= span[2] for span in spans):
         return DEFAULT_INPUT_SIZE
     return int(spans[0][1])

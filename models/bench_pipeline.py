@@ -257,14 +257,10 @@ def _measure(variants: dict[str, dict[str, Any]], config: PipelineBenchConfig):
         tensor = torch.from_numpy(frames)
         for name, variant in variants.items():
             if "module" in variant:
-                def call(module=variant["module"], tensor=tensor) -> Any:
-                    with torch.no_grad():
-                        return module(tensor)
+                calls[(batch, name)] = _torch_call(variant["module"], tensor)
             else:
-                def call(session=create_session(variant["onnx"], threads=config.threads),
-                         frames=frames) -> Any:
-                    return session.run(None, {"input": frames})
-            calls[(batch, name)] = call
+                session = create_session(variant["onnx"], threads=config.threads)
+                calls[(batch, name)] = _session_call(session, frames)
     matmul, matmul_macs = int8_matmul(config.matmul_size, config.threads, config.matmul_depth)
     window_s = config.min_time_s / config.rounds
     latencies: dict[tuple[int, str], list[float]] = {key: [] for key in calls}
@@ -301,6 +297,20 @@ def _measure(variants: dict[str, dict[str, Any]], config: PipelineBenchConfig):
         "roofline_rounds": roofline_rounds,
     }
     return results, matmul_summary, steal
+
+
+def _torch_call(module: Any, tensor: Any) -> Callable[[], Any]:
+    import torch
+
+    def call() -> Any:
+        with torch.no_grad():
+            return module(tensor)
+
+    return call
+
+
+def _session_call(session: Any, frames: np.ndarray) -> Callable[[], Any]:
+    return lambda: session.run(None, {"input": frames})
 
 
 def _summarise(results: dict[str, Any], variants: dict[str, Any], matmul: dict[str, Any],

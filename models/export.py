@@ -189,7 +189,7 @@ def export_onnx(
             torch.onnx.export(
                 model,
                 (example,),
-                buffer,
+                buffer,  # type: ignore[arg-type]  # a file object works; the stub says path only
                 dynamo=False,
                 opset_version=opset,
                 input_names=[input_name],

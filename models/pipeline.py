@@ -29,7 +29,7 @@ from models.manifest import MAX_NAME_LENGTH
 from models.calibration import DEFAULT_SAMPLES, CalibrationSet, from_array, from_directory
 from models.ort import int8_kernels
 from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, model_outputs, quantize_model
-from pruning.config import PruneConfig
+from pruning.config import Importance, PruneConfig, Scope
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ class BuildOptions:
     calib_preprocess: Path | None = None  # spec for image files in calib_dir
     prune_ratio: float | None = None
     prune_target_macs: int | None = None
-    prune_importance: str = "l2"
-    prune_scope: str = "uniform"
+    prune_importance: Importance = "l2"
+    prune_scope: Scope = "uniform"
     round_to: int = 32
     prune_steps: int = 1
     # Epochs of fine-tuning after each pruning step. Pruning the example ResNet-18 at 0.75 and
@@ -517,15 +517,17 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
             "API (pruning.prune_model, then pruning.save_pruned) and build the saved model with "
             "--user-model MODULE:CALLABLE --checkpoint PRUNED.pt"
         )
+    calib_dir = options.calib_dir
+    assert calib_dir is not None  # BuildOptions requires it with --user-model
     model = stages.run("load user model", load_user_model, options.user_model, options.checkpoint)
-    probe = from_directory(options.calib_dir,
+    probe = from_directory(calib_dir,
                            [TensorSpec("input", "float32", (-1, -1, -1, -1), ("batch",) * 4)],
                            samples=1, preprocessing=options.calib_preprocess, probe=True)
     example = torch.from_numpy(probe.arrays["input"])
     exported = stages.run("export ONNX", export_onnx, model, example)
     report["export"] = _export_report(exported)
     inputs, _ = io_specs(onnx.load_from_string(exported.model_bytes))
-    calibration = from_directory(options.calib_dir, inputs, options.calib_samples,
+    calibration = from_directory(calib_dir, inputs, options.calib_samples,
                                  preprocessing=options.calib_preprocess)
     evaluator = _agreement_evaluator(exported.model_bytes, calibration, options.threads)
     meta = {
@@ -549,10 +551,12 @@ def _from_onnx(options: BuildOptions, report: dict[str, Any]):
     from models.export import clean_onnx, node_counts
     from models.onnx_model import check_float_model, io_specs, load_onnx
 
-    raw = load_onnx(options.onnx)
-    check_float_model(raw, options.onnx)
+    onnx_path, calib_dir = options.onnx, options.calib_dir
+    assert onnx_path is not None and calib_dir is not None  # BuildOptions requires both
+    raw = load_onnx(onnx_path)
+    check_float_model(raw, onnx_path)
     inputs, _ = io_specs(raw)
-    calibration = from_directory(options.calib_dir, inputs, options.calib_samples,
+    calibration = from_directory(calib_dir, inputs, options.calib_samples,
                                  preprocessing=options.calib_preprocess)
     cleaned = clean_onnx(raw)
     report["export"] = {
@@ -711,16 +715,16 @@ def _build_engine(files: dict[str, Path], work: Path, quantized: QuantizeResult,
                   profile: dict[str, list[int]]) -> dict[str, str]:
     from models.tensorrt_builder import EngineBuildConfig, build_engine
 
-    spatial: dict[str, int] = {}
-    for axis in ("height", "width"):
-        if axis in profile:
-            spatial.update(zip((f"min_{axis}", f"opt_{axis}", f"max_{axis}"), profile[axis]))
+    unset: list[int | None] = [None, None, None]
+    height: list[int | None] = list(profile.get("height") or unset)
+    width: list[int | None] = list(profile.get("width") or unset)
     config = EngineBuildConfig(
         min_batch=profile["batch"][0],
         opt_batch=profile["batch"][1],
         max_batch=profile["batch"][2],
+        min_height=height[0], opt_height=height[1], max_height=height[2],
+        min_width=width[0], opt_width=width[1], max_width=width[2],
         fp16_layers=tuple(quantized.fp16_layers),
-        **spatial,
     )
     result = build_engine(files["model.onnx"], config)
     member = f"engines/{result.fingerprint.key()}.plan"

@@ -227,7 +227,11 @@ class Evaluator:
             agree = outputs.argmax(axis=1) == self.reference.argmax(axis=1)
             return float(agree.mean() * 100.0)
         predicted = top1_classes(outputs)
-        target = self.labels if self.labels is not None else top1_classes(self.reference)
+        if self.labels is not None:
+            target = self.labels
+        else:
+            assert self.reference is not None  # __init__ requires labels or a reference
+            target = top1_classes(self.reference)
         return float((predicted == target).mean() * 100.0)
 
     def __call__(self, model_bytes: bytes) -> float:

@@ -238,7 +238,7 @@ def output_convolutions(model: nn.Module, example_input: Tensor) -> list[nn.Modu
         return []
     was_training = model.training
     model.eval()
-    found = []
+    found: list[nn.Module] = []
     try:
         with torch.no_grad():
             baseline = _flatten_tensors(model(example_input))

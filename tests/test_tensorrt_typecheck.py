@@ -61,6 +61,13 @@ def test_backend_type_checks_against_the_stubs(mypy_config: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_every_package_type_checks(mypy_config: Path) -> None:
+    """agent, models, power and pruning are clean under mypy (with the TensorRT stubs)."""
+    result = _mypy(mypy_config, *(REPO / package for package in ("agent", "models", "power",
+                                                                    "pruning")))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_the_stubs_are_really_used(mypy_config: Path, tmp_path: Path) -> None:
     wrong = tmp_path / "wrong_trt_use.py"
     wrong.write_text(

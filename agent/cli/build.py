@@ -8,6 +8,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 from agent.deps import require
 
@@ -99,7 +100,7 @@ _PRUNING_SETTINGS = {"importance": "prune_importance", "prune_scope": "prune_sco
                      "finetune_epochs": "finetune_epochs"}
 
 
-def _pruning_settings(args: argparse.Namespace) -> dict[str, object]:
+def _pruning_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The pruning options that were given, as BuildOptions fields; a warning names those given
     where nothing is pruned (they would change nothing)."""
     given = {field: getattr(args, name) for name, field in _PRUNING_SETTINGS.items()
