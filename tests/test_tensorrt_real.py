@@ -140,3 +140,29 @@ def test_real_backend_builds_caches_and_matches_onnx_runtime(tmp_path: Path) -> 
             got = backend.infer({"images": images})["features"]
         np.testing.assert_allclose(got, expected, rtol=0.05, atol=0.05)
     assert list((tmp_path / "engines").glob("*.plan"))
+
+
+def test_real_parser_errors_name_the_node(tmp_path: Path) -> None:
+    """An operator TensorRT has no importer for: the error names the node (on 8.5 through the
+    ONNX file, which needs the onnx package on the board)."""
+    _real_tensorrt()
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from agent.errors import EngineError
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["images"], ["r"], name="relu0"),
+         helper.make_node("NoSuchOp", ["r"], ["features"], name="mystery", domain="com.example")],
+        "unsupported",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, [-1, 3, 16, 16])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, [-1, 3, 16, 16])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.example", 1)])
+    path = tmp_path / "unsupported.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(EngineError) as caught:
+        build_engine(path, EngineBuildConfig(opt_batch=1, max_batch=2, timing_cache_path=None))
+    errors = caught.value.fields["errors"]
+    assert any("mystery" in error for error in errors), errors
