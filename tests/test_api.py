@@ -644,3 +644,47 @@ def test_a_client_that_goes_away_frees_its_queue_place(model_path: Path) -> None
     finally:
         gated.gate.set()
         running.stop()
+
+
+def test_compressed_json_requests_are_read_too(server: ServerThread) -> None:
+    code, _, payload = post(server, "/v2/repository/index", gzip.compress(b'{"ready": true}'),
+                            {"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert code == 200, payload
+    assert [entry["name"] for entry in json.loads(payload)] == ["tiny"]
+
+
+def test_decoding_bounds_output_and_reads_whole_streams() -> None:
+    from agent.api.codec import RequestError
+    from agent.api.server import decode_body
+
+    # Concatenated gzip members are one body; bytes after a deflate stream are refused.
+    assert decode_body(gzip.compress(b"ab") + gzip.compress(b"cd"), "gzip", 100) == b"abcd"
+    with pytest.raises(RequestError, match="bytes after the end"):
+        decode_body(zlib.compress(b"ab") + b"junk", "deflate", 100)
+    # A bomb is stopped having produced at most the limit and one byte.
+    bomb = zlib.compress(b"\0" * (64 << 20), 9)
+    tracemalloc = pytest.importorskip("tracemalloc")
+    tracemalloc.start()
+    try:
+        with pytest.raises(RequestError) as caught:
+            decode_body(bomb, "deflate", 1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert caught.value.status == 413
+    assert peak < 8 << 20, peak  # not the 64 MiB the body expands to
+
+
+def test_brotli_bodies_are_bounded_too() -> None:
+    brotli = pytest.importorskip("brotli")
+    if not hasattr(brotli.Decompressor(), "can_accept_more_data"):
+        pytest.skip("Brotli before 1.2 cannot bound its output")
+    from agent.api.codec import RequestError
+    from agent.api.server import decode_body
+
+    assert decode_body(brotli.compress(b"frame" * 1000), "br", 1 << 20) == b"frame" * 1000
+    with pytest.raises(RequestError) as caught:
+        decode_body(brotli.compress(b"\0" * (16 << 20)), "br", 1 << 20)
+    assert caught.value.status == 413
+    with pytest.raises(RequestError, match="ends early"):
+        decode_body(brotli.compress(b"frame" * 1000)[:-4], "br", 1 << 20)

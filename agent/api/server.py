@@ -40,55 +40,86 @@ _OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
 # Content-Encoding values the server decodes (br needs the Brotli package, which the device
 # extra does not install: without it br is a 415 like any unknown encoding).
 _ENCODINGS = ("identity", "gzip", "deflate", "br")
-_DECODE_PIECE = 1 << 16  # compressed bytes decoded at a time, to stop a bomb early
+_DECODE_PIECE = 1 << 16  # compressed bytes handed to the br decoder at a time
 
 
 def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
-    """Decompress a request body sent with ``Content-Encoding``, refusing it (413) as soon as it
-    grows past ``limit`` bytes: a small compressed body can expand to gigabytes.
+    """Decompress a request body sent with ``Content-Encoding``, refusing it (413) as soon as its
+    output passes ``limit`` bytes: a small compressed body can expand to gigabytes, so no step
+    produces more than the bytes still allowed.
 
     Raises:
         RequestError: 415 for an encoding this host cannot decode, 400 for a body that is not
-            valid in its encoding, 413 for one that expands past ``limit``.
+            valid in its encoding (or stops early, or has bytes after its end), 413 for one that
+            expands past ``limit``.
     """
     if encoding == "br":
-        try:
-            import brotli  # type: ignore[import-not-found, import-untyped]
-        except ImportError:
-            raise RequestError("Content-Encoding br needs the Brotli package on this host",
-                               status=415, supported=["identity", "gzip", "deflate"]) from None
-        decoder: Any = brotli.Decompressor()
-        step, finish = decoder.process, (lambda: b"")
-        errors: tuple[type[BaseException], ...] = (brotli.error,)
+        return _decode_brotli(raw, limit)
+    if encoding == "gzip":
+        wbits = 16 + zlib.MAX_WBITS
     else:
-        # gzip; deflate is zlib-wrapped by the standard, though some clients send it raw.
+        # deflate is zlib-wrapped by the standard, though some clients send the bare stream.
         zlib_header = len(raw) >= 2 and raw[0] & 0x0F == 8 and (raw[0] << 8 | raw[1]) % 31 == 0
-        wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else (
-            zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS)
-        decoder = zlib.decompressobj(wbits)
-        step, finish = decoder.decompress, decoder.flush
-        errors = (zlib.error,)
+        wbits = zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS
     pieces: list[bytes] = []
     size = 0
+    data = raw
+    decoder = zlib.decompressobj(wbits)
     try:
-        for start in range(0, len(raw), _DECODE_PIECE):
-            piece = step(raw[start:start + _DECODE_PIECE])
+        while True:
+            piece = decoder.decompress(data, limit - size + 1)
             size += len(piece)
             if size > limit:
                 raise RequestError("request body too large once decompressed", status=413,
                                    limit=limit)
             pieces.append(piece)
-        tail = finish()
-    except errors as exc:
+            data = decoder.unconsumed_tail
+            if decoder.eof:
+                if not decoder.unused_data:
+                    break
+                if encoding != "gzip":
+                    raise RequestError(f"request body cannot be read: bytes after the end of "
+                                       f"the {encoding} stream")
+                # Concatenated gzip members are one gzip body.
+                data, decoder = decoder.unused_data, zlib.decompressobj(wbits)
+            elif not data and not piece:
+                raise RequestError(f"request body cannot be read: {encoding} data ends early")
+    except zlib.error as exc:
         raise RequestError(f"request body cannot be read: not valid {encoding}",
                            reason=str(exc)) from None
-    if size + len(tail) > limit:
-        raise RequestError("request body too large once decompressed", status=413, limit=limit)
-    if encoding != "br" and not decoder.eof:
-        raise RequestError(f"request body cannot be read: {encoding} data ends early")
-    return b"".join(pieces) + tail
+    return b"".join(pieces)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+def _decode_brotli(raw: bytes, limit: int) -> bytes:
+    try:
+        import brotli  # type: ignore[import-not-found, import-untyped, unused-ignore]
+    except ImportError:
+        brotli = None
+    if brotli is None or not hasattr(brotli.Decompressor(), "can_accept_more_data"):
+        # Before Brotli 1.2 a decompressor cannot bound its output.
+        raise RequestError("Content-Encoding br needs the Brotli package (1.2 or newer) on "
+                           "this host", status=415, supported=["identity", "gzip", "deflate"])
+    decoder = brotli.Decompressor()
+    pieces: list[bytes] = []
+    size = 0
+    try:
+        for start in range(0, max(len(raw), 1), _DECODE_PIECE):
+            chunk = raw[start:start + _DECODE_PIECE]
+            while True:
+                piece = decoder.process(chunk, output_buffer_limit=limit - size + 1)
+                size += len(piece)
+                if size > limit:
+                    raise RequestError("request body too large once decompressed", status=413,
+                                       limit=limit)
+                pieces.append(piece)
+                chunk = b""
+                if decoder.can_accept_more_data():
+                    break
+    except brotli.error as exc:
+        raise RequestError("request body cannot be read: not valid br", reason=str(exc)) from None
+    if not decoder.is_finished():
+        raise RequestError("request body cannot be read: br data ends early")
+    return b"".join(pieces)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -287,9 +318,8 @@ class InferenceServer:
                                version=version, served=service.version)
         return service
 
-    @staticmethod
-    async def _json_body(request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        raw = await self._read_whole_body(request)
         if not raw.strip():
             return {}
         value = parse_json(raw)
@@ -388,6 +418,15 @@ class InferenceServer:
         metrics.observe_request(time.perf_counter() - started)
         return web.Response(body=payload, headers=headers)
 
+    async def _read_whole_body(self, request: web.Request) -> bytes:
+        """The whole body as bytes, decompressed when it was sent compressed."""
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in _ENCODINGS:
+            raise RequestError("unsupported Content-Encoding", status=415, found=encoding,
+                               supported=list(_ENCODINGS))
+        raw = await request.read()
+        return raw if encoding == "identity" else decode_body(raw, encoding, self._max_body_bytes)
+
     async def _read_body(self, request: web.Request) -> bytes | Body:
         """The request body. With a Content-Length, the pieces the parser hands over (bytes
         objects made for this request, so nothing else writes to them) are kept by reference
@@ -396,17 +435,13 @@ class InferenceServer:
         size limit itself."""
         length = request.content_length
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding not in _ENCODINGS:
-            raise RequestError("unsupported Content-Encoding", status=415, found=encoding,
-                               supported=list(_ENCODINGS))
-        if encoding != "identity":
-            # tritonclient's request_compression_algorithm. aiohttp's own decoding is off (it
-            # answered encodings it knows but cannot decode, zstd or br without Brotli, with a
-            # plain-text 400 before any handler ran); the compressed size is bounded by aiohttp's
-            # reader, the decompressed one here.
-            return decode_body(await request.read(), encoding, self._max_body_bytes)
-        if length is None:
-            return await request.read()  # chunked: aiohttp's reader enforces the size limit
+        if encoding != "identity" or length is None:
+            # Compressed (tritonclient's request_compression_algorithm): aiohttp's own decoding
+            # is off (it answered encodings it knows but cannot decode, zstd or br without
+            # Brotli, with a plain-text 400 before any handler ran); the compressed size is
+            # bounded by aiohttp's reader, the decompressed one by decode_body. Chunked: the
+            # reader enforces the size limit.
+            return await self._read_whole_body(request)
         if length > self._max_body_bytes:
             raise RequestError("request body too large", status=413, limit=self._max_body_bytes,
                                found=length)
