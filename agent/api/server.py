@@ -122,6 +122,9 @@ def _decode_brotli(raw: bytes, limit: int) -> bytes:
     return b"".join(pieces)
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
