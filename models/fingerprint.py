@@ -30,7 +30,7 @@ CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 class GpuModel:
     """What tells GPUs apart for TensorRT: the architecture (compute capability) and, within one,
     the size (multiprocessors). Every Orin module is sm87, from the AGX's 16 multiprocessors to
-    the 4 of an Orin Nano 4GB; a plan tuned on one is not meant for another."""
+    the 4 of an Orin Nano 4GB; a plan tuned on one size is not meant for another."""
 
     compute_capability: str  # "8.7"
     multiprocessors: int | None = None
@@ -68,7 +68,9 @@ class DeviceFingerprint:
 
         The full TensorRT version is kept (not just major.minor.patch): the standard runtime only
         loads a plan built by the exact same build. ``mp16`` is the multiprocessor count, which
-        tells an AGX Orin from an Orin NX or Nano (all sm87).
+        tells an AGX Orin (16, or 14 on the 32GB) from an Orin NX or Nano (8, or 4 on the Nano
+        4GB), all sm87; an Orin NX and an Orin Nano 8GB still share a key (same GPU, other
+        clocks), so a plan from one loads on the other.
         """
         version = re.sub(r"[^0-9A-Za-z.]", "_", self.trt_version)
         key = f"trt{version}-sm{self.compute_capability.replace('.', '')}"

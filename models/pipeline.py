@@ -765,7 +765,7 @@ def format_summary(result: BuildResult) -> str:
     if len(accuracy.get("outputs", [])) > 1:
         lines.append("  outputs, INT8 against FP32: " + ", ".join(
             f"{output['name']} "
-            + ("exact" if output["sqnr_db"] is None else f"{output['sqnr_db']:.1f} dB")
+            + ("n/a" if output["sqnr_db"] is None else f"{output['sqnr_db']:.1f} dB")
             + ("" if output["judged_by_budget"] else " (not budgeted)")
             for output in accuracy["outputs"]))
     fp16 = report["quantization"]["fp16_layers"]

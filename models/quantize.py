@@ -91,8 +91,9 @@ def _working_directory(path: Path) -> Iterator[None]:
 
 
 def finite_or_none(value: float, digits: int) -> float | None:
-    """``value`` rounded, or None (JSON null) where it is infinite: an SQNR is infinite when the
-    INT8 output equals the float one (nothing quantized on its path), and JSON has no infinity."""
+    """``value`` rounded, or None (JSON null) where it is not finite: an SQNR is infinite when
+    the INT8 output equals the float one (nothing quantized on its path), and an output holding
+    infinities gives NaN; JSON has neither."""
     return round(value, digits) if np.isfinite(value) else None
 
 
@@ -109,7 +110,7 @@ class LayerSensitivity:
             "name": self.name,
             "op_type": self.op_type,
             "sqnr_db": finite_or_none(self.sqnr_db, 2),
-            "cosine": round(self.cosine, 6),
+            "cosine": finite_or_none(self.cosine, 6),
             "metric": round(self.metric, 3),
         }
 
@@ -127,7 +128,7 @@ class OutputFidelity:
         return {
             "name": self.name,
             "sqnr_db": finite_or_none(self.sqnr_db, 2),
-            "cosine": round(self.cosine, 6),
+            "cosine": finite_or_none(self.cosine, 6),
             "judged_by_budget": self.judged,
         }
 

@@ -21,7 +21,6 @@ The device fingerprint that names the plan is models/fingerprint.py, which the r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import threading
@@ -141,13 +140,6 @@ class EngineBuildConfig:
             if all(value is not None for value in span):
                 spans[axis] = span  # type: ignore[assignment]
         return spans
-
-    def static_at_opt(self) -> EngineBuildConfig:
-        """This configuration with every range collapsed to its optimum (what DLA needs)."""
-        values: dict[str, int] = {}
-        for axis, (_, opt, _) in self.profile_spans().items():
-            values.update({f"min_{axis}": opt, f"max_{axis}": opt})
-        return dataclasses.replace(self, **values)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         _check_range(

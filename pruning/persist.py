@@ -124,18 +124,23 @@ def _is_under(name: str, package: str) -> bool:
 
 
 # Modules may keep an activation function as an attribute (``self.act = F.relu``, as
-# nn.TransformerEncoderLayer does): functions of this module are allowed as well as classes.
-_FUNCTIONS_MODULE = "torch.nn.functional"
+# nn.TransformerEncoderLayer does): torch's functional operations are allowed as well as classes,
+# whether written in Python (torch.nn.functional) or in C (torch._C._nn: gelu, hardtanh, ...).
+_FUNCTION_MODULES = ("torch.nn.functional", "torch._C._nn")
 
 
 def _resolve_trusted_class(name: str, trusted: Sequence[str], path: Path) -> Any:
-    """Import the class ``name`` ("package.module.Class") if a trusted package holds it (or a
-    function of ``torch.nn.functional``)."""
+    """Import the class ``name`` ("package.module.Class") if a trusted package holds it (or one
+    of torch's functional operations)."""
     parts = name.split(".")
     # The pickle names module and attribute joined by a dot; try the longest module path first,
     # and import only module paths inside a trusted package.
     for split in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:split])
+        if module_name in _FUNCTION_MODULES and split == len(parts) - 1:
+            function = getattr(importlib.import_module(module_name), parts[-1], None)
+            if callable(function) and not isinstance(function, type):
+                return function
         if not any(_is_under(module_name, package) for package in trusted):
             continue
         try:
@@ -149,13 +154,11 @@ def _resolve_trusted_class(name: str, trusted: Sequence[str], path: Path) -> Any
             continue
         if isinstance(target, type) and issubclass(target, nn.Module):
             return target
-        if module_name == _FUNCTIONS_MODULE and callable(target) and not isinstance(target, type):
-            return target
         break
     raise UntrustedClassError(
         "pruned model file refers to a class that is not a trusted nn.Module (or a function "
-        "that is not in torch.nn.functional); pass its package in trusted_modules if you trust "
-        "this file",
+        "that is not one of torch's functional operations); pass its package in trusted_modules "
+        "if you trust this file",
         path=path,
         found=name,
         trusted=", ".join(trusted),

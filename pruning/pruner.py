@@ -99,6 +99,11 @@ class AlignedPruner(tp.pruner.BasePruner):
     def step(self, interactive: bool = False) -> Any:
         """One pruning step; torch-pruning's failures on graphs it cannot follow become a
         PruningError that says what to do."""
+        if isinstance(self.importance, tp.importance.TaylorImportance):
+            self._zero_unreached_gradients()
+        # Pruning replaces a layer's parameters with new (trainable) ones: frozen stays frozen.
+        frozen = {name for name, parameter in self.model.named_parameters()
+                  if not parameter.requires_grad}
         try:
             return super().step(interactive)
         except (IndexError, RuntimeError, ValueError, KeyError) as exc:
@@ -108,6 +113,28 @@ class AlignedPruner(tp.pruner.BasePruner):
                 "outside a layer); keep those layers out with ignored_layer_names",
                 reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
             ) from exc
+        finally:
+            for name, parameter in self.model.named_parameters():
+                if name in frozen:
+                    parameter.requires_grad_(False)
+
+    def _zero_unreached_gradients(self) -> None:
+        """Taylor importance is weight x loss gradient; a layer the loss does not reach (a head
+        the loss leaves out) has no gradient, which torch-pruning cannot read. Its true gradient
+        is zero: its channels count for nothing in that loss, which the warning says."""
+        names = {module: name for name, module in self.model.named_modules()}
+        unreached = []
+        for module in self.DG.module2node:  # the layers the traced forward pass went through
+            if not isinstance(module, ROOT_MODULE_TYPES) or module.weight.grad is not None:
+                continue
+            unreached.append(names.get(module, type(module).__name__))
+            for parameter in module.parameters(recurse=False):
+                parameter.grad = torch.zeros_like(parameter)
+        if unreached and not getattr(self, "_warned_unreached", False):
+            self._warned_unreached = True
+            log.warning("taylor importance: the loss does not reach %s, so channels are ranked "
+                        "by what the loss uses only (give a loss over every output, or use l1 or "
+                        "l2 importance)", ", ".join(sorted(unreached)))
 
     def _is_atten_group(self, group: Any) -> Any:
         # torch-pruning calls this (and nothing else we can hook) with each group just before it
@@ -126,22 +153,35 @@ class AlignedPruner(tp.pruner.BasePruner):
         # one group, and the library removes that many from every group; the layer keeps the
         # same number in each group, so its width is a multiple of the group count.
         group = getattr(self, "_rounding_group", None)
-        channel_groups = self._get_channel_groups(group) if group is not None else 1
-        if channel_groups < 1 or current_channels % channel_groups:
-            channel_groups = 1
+        # torch-pruning repeats the count over the largest channel-group count of the group;
+        # every member's grouping (a grouped convolution's, a GroupNorm's) must divide the width.
+        counts = self._channel_group_counts(group) if group is not None else []
+        channel_groups = max(counts, default=1)
+        if current_channels % channel_groups:
+            channel_groups, counts = 1, []
         module = group[0].dep.target.module if group is not None else None
         # The max_layer_ratio floor counts from the layer's width before any step, as
         # torch-pruning's own check does: per step, several steps would remove more.
         original = self.layer_init_out_ch.get(module) or current_channels
         min_keep = max(1, math.ceil(original * (1.0 - self._max_layer_ratio)))
-        step = round_to * channel_groups // math.gcd(round_to, channel_groups)
         keep = aligned_width(
             current_channels,
             current_channels - n_pruned * channel_groups,
-            round_to=max(1, step),
+            round_to=math.lcm(max(1, round_to), *counts),
             min_keep=min_keep,
         )
         return (current_channels - keep) // channel_groups
+
+    def _channel_group_counts(self, group: Any) -> list[int]:
+        """The channel-group counts of a pruning group's members (what torch-pruning's
+        _get_channel_groups takes the largest of)."""
+        counts = []
+        for dep, _ in group:
+            groups = (self.out_channel_groups if self.DG.is_out_channel_pruning_fn(dep.handler)
+                      else self.in_channel_groups)
+            if dep.target.module in groups:
+                counts.append(int(groups[dep.target.module]))
+        return counts
 
 
 @contextlib.contextmanager
@@ -309,17 +349,4 @@ def accumulate_gradients(
         model.train(was_training)
     if batches == 0:
         raise PruningError("taylor importance needs at least one batch; loss_batches gave none")
-    unreached = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, ROOT_MODULE_TYPES) and module.weight.grad is None
-    ]
-    if unreached:
-        raise PruningError(
-            "taylor importance ranks channels by weight x loss gradient, but the loss does not "
-            "reach these layers (a head the loss does not use?): use l1 or l2 importance, or add "
-            "them to ignored_layer_names",
-            layers=", ".join(unreached[:8]) + (f" and {len(unreached) - 8} more"
-                                                if len(unreached) > 8 else ""),
-        )
     return batches

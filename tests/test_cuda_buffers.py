@@ -34,6 +34,7 @@ from agent.backends.cuda_buffers import (
 )
 from agent.errors import EngineError, InternalError
 from agent.scattered import Body, copy_rows
+from models.fingerprint import GpuModel
 
 MODES = {"mapped": True, "pinned": False}
 

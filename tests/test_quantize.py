@@ -351,4 +351,7 @@ def test_infinite_sqnr_is_written_as_null():
     exact = OutputFidelity("logits", float("inf"), 1.0, judged=True).to_dict()
     layer = LayerSensitivity("conv", "Conv", float("inf"), 1.0, 99.0).to_dict()
     assert exact["sqnr_db"] is None and layer["sqnr_db"] is None
-    json.dumps([exact, layer], allow_nan=False)  # what the manifest's writer requires
+    # An output holding infinities (log of a ReLU) compares as NaN on both measures.
+    infinite = OutputFidelity("log_density", float("nan"), float("nan"), judged=False).to_dict()
+    assert infinite["sqnr_db"] is None and infinite["cosine"] is None
+    json.dumps([exact, layer, infinite], allow_nan=False)  # what the manifest's writer requires

@@ -181,6 +181,9 @@ class FakeGpu:
         self._pending: dict[int, list[Callable[[], None]]] = {}
         self._next_stream = 0x5000
         self._lock = threading.Lock()
+        # One drain at a time runs work, so work runs in the order it was queued and a
+        # synchronize returns only once everything queued before it has run.
+        self._draining = threading.RLock()
 
     def map(self, address: int, nbytes: int) -> None:
         with self._lock:
@@ -217,13 +220,14 @@ class FakeGpu:
 
     def drain(self, handle: int) -> None:
         """Run the work queued on a stream, in order (what synchronizing waits for)."""
-        while True:
-            with self._lock:
-                queue = self._pending.get(handle) or []
-                if not queue:
-                    return
-                work = queue.pop(0)
-            work()
+        with self._draining:
+            while True:
+                with self._lock:
+                    queue = self._pending.get(handle) or []
+                    if not queue:
+                        return
+                    work = queue.pop(0)
+                work()
 
     def adopt_stream(self, handle: int) -> None:
         """Accept a stream made elsewhere (a real CUDA stream, when the fake engine runs on one)."""
