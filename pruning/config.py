@@ -83,7 +83,7 @@ class PruneConfig:
         max_layer_ratio: No layer loses more than this fraction of its channels, in (0, 1).
         ignored_layer_names: Modules (names as in ``model.named_modules()``) whose output channels
             are kept. The classifier (a Linear, or a convolution whose channels reach an output
-            one to one) is always kept and needs no entry here.
+            with no layer taking them in between) is always kept and needs no entry here.
 
     Raises:
         ConfigError: A value is out of range; the error names the field and the value found.

@@ -264,46 +264,34 @@ def layers_to_ignore(
 
 
 def output_convolutions(model: nn.Module, example_input: Tensor) -> list[nn.Module]:
-    """Convolutions whose output channels are the channels of one of the model's outputs: a
-    1x1 convolution classifier before global pooling, the last layer of a segmentation net.
+    """Convolutions whose output channels reach one of the model's outputs with no layer taking
+    them in between: a 1x1 convolution classifier before global pooling, the last layer of a
+    segmentation net (also behind a softmax or a permute to channels-last).
 
-    Told apart from hidden layers of the same width by what a change reaches: a change to one
-    channel of such a convolution changes that one channel of an output and no other (a hidden
-    layer's channel reaches every channel through the layers after it).
+    Told apart from hidden layers in torch-pruning's dependency graph: removing a hidden layer's
+    channel also removes an input channel of the convolution or Linear layer that consumes it;
+    removing an output layer's channel reaches no such layer, only the output.
     """
-    counts = output_channel_counts(model, example_input)
+    sizes = {size for shape in output_shapes(model, example_input) for size in shape[1:]}
     candidates = [module for module in model.modules()
-                  if isinstance(module, nn.modules.conv._ConvNd) and module.out_channels in counts]
+                  if isinstance(module, nn.modules.conv._ConvNd) and module.out_channels in sizes]
     if not candidates:
         return []
     was_training = model.training
-    model.eval()
-    found: list[nn.Module] = []
     try:
-        with torch.no_grad():
-            baseline = _flatten_tensors(model(example_input))
-            for module in candidates:
-                def nudge(_module: nn.Module, _inputs: Any, output: Tensor) -> Tensor:
-                    changed = output.clone()
-                    changed[:, 0] += 1.0 + output.detach().abs().mean()
-                    return changed
-
-                handle = module.register_forward_hook(nudge)
-                try:
-                    nudged = _flatten_tensors(model(example_input))
-                finally:
-                    handle.remove()
-                for before, after in zip(baseline, nudged):
-                    if before.dim() < 2 or before.shape[1] != module.out_channels:
-                        continue
-                    moved = (after - before).abs().flatten(2) if before.dim() > 2 else \
-                        (after - before).abs().unsqueeze(2)
-                    channels = torch.nonzero(moved.amax(dim=(0, 2)) > 1e-6).flatten().tolist()
-                    if channels == [0]:
-                        found.append(module)
-                        break
+        with traceable(model):
+            graph = tp.DependencyGraph().build_dependency(model, example_inputs=example_input)
     finally:
-        model.train(was_training)
+        model.train(was_training)  # tracing leaves the model in eval mode
+    found: list[nn.Module] = []
+    for module in candidates:
+        if module not in graph.module2node:
+            continue  # not on the traced path
+        pruner = graph.get_pruner_of_module(module)
+        group = graph.get_pruning_group(module, pruner.prune_out_channels, idxs=[0])
+        if not any(graph.is_in_channel_pruning_fn(dep.handler)
+                   and isinstance(dep.target.module, ROOT_MODULE_TYPES) for dep, _ in group):
+            found.append(module)
     return found
 
 

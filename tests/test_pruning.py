@@ -10,6 +10,7 @@ import io
 import json
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 
@@ -328,6 +329,19 @@ class PooledConvClassifier(nn.Module):
         return self.classifier(self.features(x)).mean(dim=(2, 3))
 
 
+class SegmentationHead(nn.Module):
+    """21 classes per pixel, then ``after`` (a softmax, a permute)."""
+
+    def __init__(self, after: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.after = after
+        self.body = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU())
+        self.head = nn.Conv2d(64, 21, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.after(self.head(self.body(x)))
+
+
 def test_convolutions_that_produce_the_output_are_kept_without_being_named():
     torch.manual_seed(0)
     example = torch.randn(1, 3, 8, 8)
@@ -341,6 +355,11 @@ def test_convolutions_that_produce_the_output_are_kept_without_being_named():
     result = prune_model(PooledConvClassifier().eval(), example,
                          PruneConfig(ratio=0.5, round_to=8), progress=False)
     assert conv_widths(result.model) == {"features.0": (3, 64), "classifier": (64, 100)}
+    # Behind a softmax over the classes, or a permute to channels-last, too.
+    for head in (lambda y: y.softmax(dim=1), lambda y: y.permute(0, 2, 3, 1)):
+        result = prune_model(SegmentationHead(head).eval(), example, PruneConfig(ratio=0.5, round_to=8),
+                             progress=False)
+        assert conv_widths(result.model) == {"body.0": (3, 32), "head": (32, 21)}
 
 
 def test_grouped_convolutions_keep_aligned_widths_in_equal_groups():
