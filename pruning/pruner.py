@@ -149,12 +149,11 @@ class AlignedPruner(tp.pruner.BasePruner):
         # criterion chose to remove from one layer group. tests/test_pruning.py fails if a new
         # release stops calling it (64-wide ResNet-18 layers would stay unpruned at ratio 0.6).
         #
-        # For a layer with channel groups (a grouped convolution), ``n_pruned`` counts channels of
-        # one group, and the library removes that many from every group; the layer keeps the
-        # same number in each group, so its width is a multiple of the group count.
+        # With channel groups (a grouped convolution, a GroupNorm), ``n_pruned`` counts channels
+        # of one group and the library removes that many from each of the group count's groups
+        # (the largest count among the coupled layers); every member's count must divide the
+        # width that is kept.
         group = getattr(self, "_rounding_group", None)
-        # torch-pruning repeats the count over the largest channel-group count of the group;
-        # every member's grouping (a grouped convolution's, a GroupNorm's) must divide the width.
         counts = self._channel_group_counts(group) if group is not None else []
         channel_groups = max(counts, default=1)
         if current_channels % channel_groups:
