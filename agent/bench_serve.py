@@ -148,9 +148,8 @@ def _default_size(manifest: dict[str, Any]) -> int:
     return int(spans[0][1])
 
 
-def _check_profile(manifest: dict[str, Any], size: int | None) -> None:
+def _check_profile(manifest: dict[str, Any], size: int) -> None:
     """The daemon refuses frames outside the bundle's engine profile: so does the benchmark."""
-    size = size or DEFAULT_INPUT_SIZE
     profile = manifest.get("engine_profile") or {}
     for axis in ("height", "width"):
         span = profile.get(axis)

@@ -34,6 +34,14 @@ class AgentError(Exception):
         return f"{self.message} ({details})"
 
 
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """``exc``'s message on one line, for an error's ``reason``: its first non-empty line,
+    shortened to ``limit`` characters, or the exception's type when it has no message."""
+    line = next((text.strip() for text in str(exc).splitlines() if text.strip()), "")
+    line = line or type(exc).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 class ConfigError(AgentError):
     """A configuration value or command-line argument is invalid."""
 

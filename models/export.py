@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from agent.deps import require
-from agent.errors import ModelError
+from agent.errors import ModelError, first_line
 from agent.fsutil import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -65,9 +65,8 @@ def run_example(model: Any, example: Any) -> Any:
         try:
             return model(example[:1])
         except Exception as exc:  # noqa: BLE001 - any model error, named in one line
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
             raise ModelError(f"the model fails on the example input {tuple(example.shape)}: "
-                             f"{type(exc).__name__}: {first_line}") from exc
+                             f"{type(exc).__name__}: {first_line(exc)}") from exc
 
 
 def output_names(output: Any, single_name: str = OUTPUT_NAME) -> list[str]:

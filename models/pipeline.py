@@ -526,7 +526,8 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
     example = torch.from_numpy(probe.arrays["input"])
     exported = stages.run("export ONNX", export_onnx, model, example)
     report["export"] = _export_report(exported)
-    inputs, _ = io_specs(onnx.load_from_string(exported.model_bytes))
+    exported_model = onnx.load_from_string(exported.model_bytes)
+    inputs, _ = io_specs(exported_model)
     calibration = from_directory(calib_dir, inputs, options.calib_samples,
                                  preprocessing=options.calib_preprocess)
     evaluator = _agreement_evaluator(exported.model_bytes, calibration, options.threads)
@@ -535,7 +536,7 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
                    "checkpoint": str(options.checkpoint) if options.checkpoint else None},
         "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
         "preprocessing": calibration.preprocessing,
-        **_input_meta(exported.model_bytes, calibration),
+        **_input_meta(exported_model, calibration),
     }
     return exported.model_bytes, evaluator, calibration, meta
 

@@ -249,14 +249,15 @@ def model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_size:
     predictions (the demo bundle: 2 of 1,797 digits). ``fold_relu=True`` gives the outputs as the
     daemon's ONNX Runtime backend serves them.
     """
-    return all_model_outputs(model_bytes, inputs, batch_size, fold_relu=fold_relu,
-                             threads=threads, first_only=True)[0]
+    outputs = all_model_outputs(model_bytes, inputs, batch_size, fold_relu=fold_relu,
+                                threads=threads, first_only=True)
+    return next(iter(outputs.values()))
 
 
 def all_model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_size: int = 128,
                       *, fold_relu: bool = False, threads: int = 2,
-                      first_only: bool = False) -> list[np.ndarray]:
-    """Every output of the model (in the graph's order) for every sample of ``inputs``."""
+                      first_only: bool = False) -> dict[str, np.ndarray]:
+    """Every output of the model by name (in the graph's order) for every sample of ``inputs``."""
     session = create_session(model_bytes, fold_relu=fold_relu, threads=threads)
     names = [output.name for output in session.get_outputs()]
     if first_only:
@@ -267,7 +268,7 @@ def all_model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_s
         feed = {name: array[start : start + batch_size] for name, array in inputs.items()}
         for part, value in zip(parts, session.run(names, feed)):
             part.append(value)
-    return [np.concatenate(part, axis=0) for part in parts]
+    return {name: np.concatenate(part, axis=0) for name, part in zip(names, parts)}
 
 
 def warn_about_unjudged_outputs(outputs: Sequence[OutputFidelity]) -> None:
@@ -287,13 +288,12 @@ def output_fidelity(float_model: bytes, int8_model: bytes, inputs: dict[str, np.
     The accuracy budget scores the first output only; for a model with several (boxes and
     scores, logits and embeddings) this is what shows whether the others survived INT8.
     """
-    onnx = require("onnx", extra="host", purpose="INT8 quantization")
-    names = [output.name for output in onnx.load_from_string(float_model).graph.output]
     reference = all_model_outputs(float_model, inputs, threads=threads)
     quantized = all_model_outputs(int8_model, inputs, threads=threads)
     return [
-        OutputFidelity(name, sqnr_db(want, got), cosine_similarity(want, got), judged=index == 0)
-        for index, (name, want, got) in enumerate(zip(names, reference, quantized))
+        OutputFidelity(name, sqnr_db(want, quantized[name]), cosine_similarity(want, quantized[name]),
+                       judged=index == 0)
+        for index, (name, want) in enumerate(reference.items())
     ]
 
 

@@ -360,7 +360,7 @@ def require_tensorrt() -> None:
 # long after the call: a per-build logger freed when the build returns would be used after free
 # by the next deserialize. So the plugins are registered once per process, with a logger that
 # lives as long as the process. Keyed by module, because tests swap fake TensorRT modules in.
-_plugin_registrations: dict[int, tuple[ModuleType, object, bool]] = {}
+_plugin_registrations: dict[ModuleType, tuple[object, bool]] = {}  # module -> (logger, ok)
 _plugin_lock = threading.Lock()
 
 
@@ -369,18 +369,20 @@ def init_plugins() -> bool:
     import tensorrt as trt
 
     with _plugin_lock:
-        entry = _plugin_registrations.get(id(trt))
-        if entry is None or entry[0] is not trt:
-            logger = _forwarding_logger(logging.getLogger(__name__ + ".plugins"))
-            entry = (trt, logger, bool(trt.init_libnvinfer_plugins(logger, "")))
-            _plugin_registrations[id(trt)] = entry
-            if not entry[2]:
+        if trt not in _plugin_registrations:
+            logger = forwarding_logger(logging.getLogger(__name__ + ".plugins"))
+            ok = bool(trt.init_libnvinfer_plugins(logger, ""))
+            _plugin_registrations[trt] = (logger, ok)
+            if not ok:
                 log.warning("TensorRT's plugin library did not initialise; models that need "
                             "plugins will fail")
-        return entry[2]
+        return _plugin_registrations[trt][1]
 
 
-def _forwarding_logger(target: logging.Logger) -> trt.ILogger:
+def forwarding_logger(target: logging.Logger,
+                      on_error: Callable[[str], None] | None = None) -> trt.ILogger:
+    """A TensorRT logger that writes to ``target`` (TensorRT's INFO at DEBUG) and hands every
+    error to ``on_error``."""
     import tensorrt as trt
 
     levels = {
@@ -396,7 +398,10 @@ def _forwarding_logger(target: logging.Logger) -> trt.ILogger:
             trt.ILogger.__init__(self)
 
         def log(self, severity: trt.ILogger.Severity, msg: str) -> None:
-            target.log(levels.get(severity, logging.DEBUG), "TensorRT: %s", msg)
+            level = levels.get(severity, logging.DEBUG)
+            target.log(level, "TensorRT: %s", msg)
+            if on_error is not None and level >= logging.ERROR:
+                on_error(msg)
 
     return _ForwardingLogger()
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from agent.errors import ConfigError, PruningError
+from agent.errors import ConfigError, PruningError, first_line
 from pruning.config import PruneConfig
 from pruning.pruner import (
     AlignedPruner,
@@ -103,7 +103,7 @@ def prune_model(
         reference_shapes = output_shapes(working, example_input)
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         raise ConfigError("the model does not run on example_input",
-                          shape=list(input_shape), reason=str(exc).splitlines()[0][:300]) from exc
+                          shape=list(input_shape), reason=first_line(exc)) from exc
     before = measure(working, example_input)
 
     if config.target_macs is None:
@@ -202,7 +202,7 @@ def _check_output_shapes(
             "the pruned model no longer runs: some layer depends on a channel count that pruning "
             "changed (a hard-coded view or reshape, or attention heads); keep the layers around it "
             "out of pruning with ignored_layer_names",
-            reason=str(exc).splitlines()[0][:300],
+            reason=first_line(exc),
         ) from exc
     if found != reference:
         raise PruningError(

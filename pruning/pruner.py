@@ -22,7 +22,7 @@ import torch
 import torch_pruning as tp
 from torch import Tensor, nn
 
-from agent.errors import ConfigError, PruningError
+from agent.errors import ConfigError, PruningError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class AlignedPruner(tp.pruner.BasePruner):
                 "torch-pruning could not prune this model: some layers couple channels in a way "
                 "it cannot follow (hand-written attention that reshapes heads, a parameter used "
                 "outside a layer); keep those layers out with ignored_layer_names",
-                reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+                reason=f"{type(exc).__name__}: {first_line(exc)}",
             ) from exc
         finally:
             for name, parameter in self.model.named_parameters():
@@ -226,7 +226,10 @@ def _flatten_tensors(value: Any) -> list[Tensor]:
 
 
 def layers_to_ignore(
-    model: nn.Module, example_input: Tensor, ignored_layer_names: Sequence[str]
+    model: nn.Module,
+    example_input: Tensor,
+    ignored_layer_names: Sequence[str],
+    graph: tp.DependencyGraph | None = None,
 ) -> list[nn.Module]:
     """The modules whose output channels must be kept.
 
@@ -255,33 +258,42 @@ def layers_to_ignore(
         for module in model.modules()
         if isinstance(module, nn.Linear) and module.out_features in output_counts
     ]
-    ignored += output_convolutions(model, example_input)
+    ignored += output_convolutions(model, example_input, graph)
     # A named container keeps every layer inside it (as torch-pruning's pruner expands it; its
     # dependency graph, which the sensitivity scan walks, does not).
     ignored += [module for name in ignored_layer_names for module in modules[name].modules()]
     return ignored
 
 
-def output_convolutions(model: nn.Module, example_input: Tensor) -> list[nn.Module]:
+def dependency_graph(model: nn.Module, example_input: Tensor) -> tp.DependencyGraph:
+    """torch-pruning's dependency graph of ``model`` (frozen layers included), leaving the model
+    in the mode it was in (tracing switches it to eval mode)."""
+    was_training = model.training
+    try:
+        with traceable(model):
+            return tp.DependencyGraph().build_dependency(model, example_inputs=example_input)
+    finally:
+        model.train(was_training)
+
+
+def output_convolutions(model: nn.Module, example_input: Tensor,
+                        graph: tp.DependencyGraph | None = None) -> list[nn.Module]:
     """Convolutions whose output channels reach one of the model's outputs with no layer taking
     them in between: a 1x1 convolution classifier before global pooling, the last layer of a
     segmentation net (also behind a softmax or a permute to channels-last).
 
     Told apart from hidden layers in torch-pruning's dependency graph: removing a hidden layer's
     channel also removes an input channel of the convolution or Linear layer that consumes it;
-    removing an output layer's channel reaches no such layer, only the output.
+    removing an output layer's channel reaches no such layer, only the output. ``graph``: the
+    model's :func:`dependency_graph`, when the caller has one already.
     """
     sizes = {size for shape in output_shapes(model, example_input) for size in shape[1:]}
     candidates = [module for module in model.modules()
                   if isinstance(module, nn.modules.conv._ConvNd) and module.out_channels in sizes]
     if not candidates:
         return []
-    was_training = model.training
-    try:
-        with traceable(model):
-            graph = tp.DependencyGraph().build_dependency(model, example_inputs=example_input)
-    finally:
-        model.train(was_training)  # tracing leaves the model in eval mode
+    if graph is None:
+        graph = dependency_graph(model, example_input)
     found: list[nn.Module] = []
     for module in candidates:
         if module not in graph.module2node:

@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch_pruning as tp
 from torch import Tensor, nn
 
 from agent.errors import ConfigError, PruningError
@@ -32,9 +31,9 @@ from pruning.pruner import (
     accumulate_gradients,
     aligned_width,
     copy_with_gradients,
+    dependency_graph,
     layers_to_ignore,
     make_importance,
-    traceable,
 )
 
 log = logging.getLogger(__name__)
@@ -180,13 +179,8 @@ def _prunable_groups(
     """``(root name, coupled layer names, root width)`` of every group that round_to lets shrink."""
     names = {module: name for name, module in model.named_modules()}
     model_order = {name: index for index, name in enumerate(names.values())}
-    ignored = layers_to_ignore(model, example_input, ignored_layer_names)
-    was_training = model.training
-    try:
-        with traceable(model):
-            graph = tp.DependencyGraph().build_dependency(model, example_inputs=example_input)
-    finally:
-        model.train(was_training)  # tracing leaves the model in eval mode
+    graph = dependency_graph(model, example_input)
+    ignored = layers_to_ignore(model, example_input, ignored_layer_names, graph)
     groups = []
     for group in graph.get_all_groups(
         ignored_layers=ignored, root_module_types=list(ROOT_MODULE_TYPES)

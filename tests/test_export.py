@@ -168,3 +168,11 @@ def test_a_dense_output_that_follows_the_input_size_stays_dynamic():
     with torch.no_grad():
         np.testing.assert_allclose(segmentation, model(batch).numpy(), rtol=1e-4, atol=1e-5)
     assert segmentation.shape == (3, 4, 48, 40)
+
+
+def test_an_error_reason_is_one_line_even_without_a_message():
+    from agent.errors import first_line
+
+    assert first_line(RuntimeError("\n  shape mismatch  \nsecond line")) == "shape mismatch"
+    assert first_line(IndexError()) == "IndexError"  # was an IndexError of its own
+    assert first_line(ValueError("x" * 500), limit=20) == "x" * 17 + "..."

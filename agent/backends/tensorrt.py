@@ -65,7 +65,7 @@ from agent import deps
 from agent.errors import EngineError, InputError, InternalError
 from agent.fsutil import atomic_write_bytes, atomic_write_text
 from models.fingerprint import DeviceFingerprint, GpuModel, read_l4t_release
-from models.tensorrt_builder import EngineBuildConfig, build_engine, init_plugins
+from models.tensorrt_builder import EngineBuildConfig, build_engine, forwarding_logger, init_plugins
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -258,29 +258,8 @@ class _TensorRTLog:
     """A TensorRT logger that forwards to Python logging and keeps the recent errors for reports."""
 
     def __init__(self) -> None:
-        import tensorrt as trt
-
         self._errors: deque[str] = deque(maxlen=20)
-        levels = {
-            trt.ILogger.INTERNAL_ERROR: logging.ERROR,
-            trt.ILogger.ERROR: logging.ERROR,
-            trt.ILogger.WARNING: logging.WARNING,
-            trt.ILogger.INFO: logging.DEBUG,
-        }
-        errors = self._errors
-
-        class _Logger(trt.ILogger):
-            def __init__(self) -> None:
-                # pybind11 requires the base __init__ when a Python class overrides ILogger.
-                trt.ILogger.__init__(self)
-
-            def log(self, severity: trt.ILogger.Severity, msg: str) -> None:
-                level = levels.get(severity, logging.DEBUG)
-                log.log(level, "TensorRT: %s", msg)
-                if level >= logging.ERROR:
-                    errors.append(msg)
-
-        self.logger: trt.ILogger = _Logger()
+        self.logger: trt.ILogger = forwarding_logger(log, on_error=self._errors.append)
 
     def note_error(self, message: str) -> None:
         """Keep an error TensorRT raised as an exception rather than logged."""
@@ -529,10 +508,10 @@ class TensorRTBackend(Backend):
             profile[name] = (low, high)
         self._profile = profile
         self._max_batch = min([self.options.max_batch_size] + [high[0] for _, high in profile.values()])
-        batch_ranges = {(low[0], high[0]) for low, high in profile.values()}
-        self._padded_batch = None
-        if len(batch_ranges) == 1 and len(set(next(iter(batch_ranges)))) == 1:
-            self._padded_batch = next(iter(batch_ranges))[0]
+        # A static batch axis (every input's profile min and max the same batch): a DLA engine.
+        batch_bounds = {bound[0] for low, high in profile.values() for bound in (low, high)}
+        self._padded_batch = batch_bounds.pop() if len(batch_bounds) == 1 else None
+        if self._padded_batch is not None:
             log.info("the engine takes batch %d only: smaller batches are padded to it",
                      self._padded_batch)
         rows = max(self._max_batch, self._padded_batch or 0)
