@@ -56,6 +56,7 @@ from agent.fsutil import atomic_write_text, fsync_dir
 from models.bundle import open_bundle
 from models.manifest import (
     MANIFEST_MEMBER,
+    MAX_VERSION,
     SIGNATURE_MEMBER,
     check_compatibility,
     parse_manifest_bytes,
@@ -268,26 +269,24 @@ class ModelStore:
             directory = self._version_dir(ref)
             if directory.exists() or directory.is_symlink():
                 try:
-                    installed_bytes: bytes | None = _read_small(directory / MANIFEST_MEMBER)
-                except StoreError:
-                    installed_bytes = None  # damaged: judged by load() below
-                if installed_bytes is not None and installed_bytes != bundle.read_member(
-                        MANIFEST_MEMBER):
-                    raise StoreError(
-                        "this version is already installed with a different manifest; versions "
-                        "are immutable, so publish the change as a new version",
-                        name=ref.name,
-                        version=ref.version,
-                        path=directory,
-                    )
-                try:
                     installed = self.load(ref.name, ref.version)
                 except (StoreError, BundleError, SignatureError) as exc:
-                    # The disk damaged the installed copy; the verified bundle repairs it.
+                    # The disk damaged the installed copy (any file, the manifest included: a
+                    # copy that no longer verifies says nothing about what was published); the
+                    # verified bundle repairs it.
                     log.warning("the installed copy of %s is damaged (%s); replacing it from "
                                 "the bundle", ref, exc)
                     self._delete_version(ref)
                 else:
+                    if _read_small(directory / MANIFEST_MEMBER) != bundle.read_member(
+                            MANIFEST_MEMBER):
+                        raise StoreError(
+                            "this version is already installed with a different manifest; "
+                            "versions are immutable, so publish the change as a new version",
+                            name=ref.name,
+                            version=ref.version,
+                            path=directory,
+                        )
                     log.info("%s is already installed", ref)
                     return installed
             self._check_free_space(manifest)
@@ -659,8 +658,9 @@ def _unlock_state_dir(key: str) -> None:
 def _ref(name: object, version: object) -> ModelRef:
     """A checked reference: the name and version become path parts, so both are validated."""
     checked_name = _check_name(name)
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise StoreError("invalid model version", expected="an integer >= 1", found=repr(version))
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_VERSION:
+        raise StoreError("invalid model version", expected=f"an integer from 1 to {MAX_VERSION}",
+                         found=repr(version))
     return ModelRef(checked_name, version)
 
 

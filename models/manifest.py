@@ -31,6 +31,9 @@ _ENGINE_MEMBER = re.compile(r"engines/[A-Za-z0-9][A-Za-z0-9._+-]*\.plan")
 _NAME_SLUG = re.compile(r"[a-z0-9][a-z0-9._-]*")
 # Names become directory and file names (store, bundles, engine caches): well under NAME_MAX.
 MAX_NAME_LENGTH = 100
+# Versions become directory names (with a prefix and suffix for staging and deletion): a bound
+# keeps them well inside a file name's 255 bytes, and fits an int64 for tools downstream.
+MAX_VERSION = 2**63 - 1
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _SEMVER = re.compile(r"(\d+)\.(\d+)\.(\d+)")
 # Only the shapes Python 3.10's datetime.fromisoformat reads too, so that a manifest the host
@@ -121,7 +124,9 @@ def validate_manifest(manifest: Mapping[str, Any]) -> None:
             or len(name) > MAX_NAME_LENGTH):
         raise invalid_field("name", rule, name)
 
-    _check_int(_required(manifest, "version", "an integer >= 1"), "version", minimum=1)
+    version = _required(manifest, "version", f"an integer from 1 to {MAX_VERSION}")
+    if not _is_int(version) or not 1 <= version <= MAX_VERSION:
+        raise invalid_field("version", f"an integer from 1 to {MAX_VERSION}", version)
 
     created_at = _required(manifest, "created_at", "an ISO-8601 UTC time")
     if parse_utc_timestamp(created_at) is None:

@@ -27,6 +27,9 @@ CHUNK_BYTES = 1 * MEBIBYTE
 TAR_BLOCK_BYTES = 512
 # tar header types that carry metadata for the next member and that tarfile reads whole into memory.
 _EXTENDED_HEADER_TYPES = frozenset({b"x", b"g", b"L", b"K"})
+# Entry types whose size tarfile does not skip (it reads the next header straight after them): hard
+# and symbolic links, devices, directories and FIFOs.
+_DATALESS_TYPES = frozenset({b"1", b"2", b"3", b"4", b"5", b"6"})
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,9 @@ def scan_members(handle: BinaryIO, path: Path, limits: BundleLimits) -> dict[str
         tar = tarfile.open(fileobj=handle, mode="r:")
     except (tarfile.TarError, EOFError, ValueError) as exc:
         raise BundleError("not a bundle: not an uncompressed tar file", path=path) from exc
+    except (MemoryError, RecursionError) as exc:  # a header the guard above missed
+        raise BundleError("not a bundle: a tar header too large or too deeply chained",
+                          path=path) from exc
 
     members: dict[str, Member] = {}
     seen_names: set[str] = set()
@@ -98,6 +104,9 @@ def scan_members(handle: BinaryIO, path: Path, limits: BundleLimits) -> dict[str
             info = tar.next()
         except (tarfile.TarError, EOFError, ValueError) as exc:
             raise BundleError("truncated or corrupt bundle", path=path, reason=str(exc)) from exc
+        except (MemoryError, RecursionError) as exc:  # a header the guard above missed
+            raise BundleError("corrupt bundle: a tar header too large or too deeply chained",
+                              path=path) from exc
         if info is None:
             break
         entry_count += 1
@@ -199,13 +208,21 @@ def _check_extended_headers(handle: BinaryIO, path: Path, limits: BundleLimits) 
         size_bytes = _header_size(header)
         if size_bytes is None:
             return
-        if header[156:157] in _EXTENDED_HEADER_TYPES and size_bytes > limits.max_metadata_bytes:
+        entry_type = header[156:157]
+        if entry_type in _EXTENDED_HEADER_TYPES and size_bytes > limits.max_metadata_bytes:
             raise BundleError(
                 "extended tar header is too large",
                 path=path,
                 offset=offset,
                 expected=f"<= {limits.max_metadata_bytes} bytes",
             )
+        # tarfile skips no data after these, so a size on one would put this walk out of step
+        # with tarfile's (and hide what follows from it): no honest tar writes one.
+        name = header[:100].split(b"\x00", 1)[0]
+        if size_bytes and (entry_type in _DATALESS_TYPES
+                           or (entry_type == b"\x00" and name.endswith(b"/"))):
+            raise BundleError("corrupt bundle: a link, device or directory entry declares data",
+                              path=path, offset=offset, found=f"{size_bytes} bytes")
         offset += TAR_BLOCK_BYTES + _round_up_to_block(size_bytes)
 
 

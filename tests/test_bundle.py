@@ -660,6 +660,38 @@ def test_a_flood_of_extended_headers_is_refused(tmp_path: Path, signing_key: Ed2
         open_bundle(path, [signing_key.public_key()])
 
 
+def _entry_header(name: str, entry_type: bytes, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type = entry_type
+    info.size = size
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+@pytest.mark.parametrize("hidden", ["huge_pax", "long_name_chain"])
+@pytest.mark.parametrize("entry_type, name", [(tarfile.DIRTYPE, "engines"),
+                                              (tarfile.AREGTYPE, "engines/"),
+                                              (tarfile.SYMTYPE, "model.onnx")])
+def test_a_dataless_entry_that_declares_data_cannot_hide_headers_from_the_guard(
+        tmp_path: Path, signing_key: Ed25519PrivateKey, entry_type: bytes, name: str,
+        hidden: str) -> None:
+    # tarfile reads the next header straight after a directory or link, whatever its size field
+    # says; a guard that skipped that size would miss the header behind it: a pax header claiming
+    # 16 TiB (MemoryError in tarfile) or thousands of chained long names (RecursionError).
+    if hidden == "huge_pax":
+        pax = tarfile.TarInfo("././@PaxHeader")
+        pax.type = tarfile.XHDTYPE
+        pax.size = 1 << 44
+        behind = pax.tobuf(format=tarfile.GNU_FORMAT)
+    else:
+        long_name = _entry_header("././@LongLink", tarfile.GNUTYPE_LONGNAME, 8) + b"a" * 8 + b"\0" * 504
+        behind = long_name * 2000
+    path = tmp_path / "sneaky.bundle"
+    path.write_bytes(_entry_header(name, entry_type, 512) + behind + b"\0" * 1024)
+    for read in (lambda: open_bundle(path, [signing_key.public_key()]), lambda: inspect_bundle(path)):
+        with pytest.raises(BundleError, match="declares data"):
+            read()
+
+
 def test_extra_member_not_in_the_manifest_is_refused(
     tmp_path: Path, good_entries: list[tuple[tarfile.TarInfo, bytes | None]], signing_key: Ed25519PrivateKey
 ) -> None:
@@ -744,6 +776,8 @@ INVALID_MANIFESTS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("version zero", _set("version", 0), "version"),
     ("version bool", _set("version", True), "version"),
     ("version float", _set("version", 3.0), "version"),
+    ("version too long", _set("version", 10**236), "version"),
+    ("version past int64", _set("version", 2**63), "version"),
     ("created no tz", _set("created_at", "2024-05-01T12:00:00"), "created_at"),
     ("created other tz", _set("created_at", "2024-05-01T12:00:00+02:00"), "created_at"),
     ("created basic format", _set("created_at", "20240501T120000Z"), "created_at"),

@@ -366,6 +366,28 @@ def test_gc_refuses_to_run_with_an_unreadable_pointer(
 # Damage on disk
 
 
+@pytest.mark.parametrize("damage", ["flip", "empty"])
+def test_reinstalling_repairs_a_damaged_manifest(
+    state_dir: Path, store: ModelStore, bundles: Bundles, damage: str
+) -> None:
+    # A manifest that no longer verifies (a flipped bit; power lost mid-write) is damage, not a
+    # different publication of the version: the signed bundle replaces it.
+    bundle = bundles.make(3)
+    store.install(bundle)
+    store.activate(MODEL_NAME, 3)
+    before = snapshot(state_dir / "models")
+    manifest_path = state_dir / "models" / MODEL_NAME / "3" / "manifest.json"
+    if damage == "flip":
+        flip_byte(manifest_path, manifest_path.stat().st_size // 2)
+    else:
+        os.truncate(manifest_path, 0)
+    with pytest.raises(StoreError):
+        store.load(MODEL_NAME, 3)
+    repaired = store.install(bundle)
+    assert store.load(MODEL_NAME, 3) == repaired
+    assert snapshot(state_dir / "models") == before
+
+
 def installed_store(store: ModelStore, bundles: Bundles) -> Path:
     return store.install(bundles.make(3)).directory
 
