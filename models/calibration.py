@@ -9,6 +9,7 @@ in name order, so the same directory always gives the same set and the same data
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import zipfile
@@ -179,6 +180,8 @@ def from_directory(
                                    "samples instead", path=directory,
                                    inputs=", ".join(item.name for item in inputs))
         spec = ImagePreprocessing.from_file(preprocessing or directory / SPEC_FILE)
+        if spec.layout is None:
+            spec = dataclasses.replace(spec, layout=_image_layout(inputs[0]))
     elif preprocessing is not None:
         raise CalibrationError("a preprocessing spec applies to calibration images, but the "
                                "directory holds arrays (.npy/.npz), which are used as they are",
@@ -202,7 +205,37 @@ def from_directory(
             per_input[name].append(array)
     arrays = {name: np.stack(values) for name, values in per_input.items()}
     log.info("read %d calibration %s from %s", count, "images" if spec else "samples", directory)
+    if not probe:
+        warn_about_copies(arrays, str(directory))
     return CalibrationSet(arrays, str(directory), spec.to_manifest() if spec else None)
+
+
+def warn_about_copies(arrays: dict[str, np.ndarray], source: str) -> int:
+    """Warn when some calibration samples are exact copies of others (a frame dumped repeatedly,
+    a broken export loop): the INT8 ranges and the accuracy check then rest on fewer distinct
+    samples than the count says, and agreement on copies proves little. Returns the distinct
+    sample count."""
+    count = len(next(iter(arrays.values())))
+    digests = set()
+    for index in range(count):
+        digest = hashlib.sha256()
+        for name in sorted(arrays):
+            digest.update(np.ascontiguousarray(arrays[name][index]).tobytes())
+        digests.add(digest.digest())
+    if len(digests) < count:
+        log.warning("%d of the %d calibration samples from %s are copies of others: calibration "
+                    "and the accuracy check rest on %d distinct samples", count - len(digests),
+                    count, source, len(digests))
+    return len(digests)
+
+
+def _image_layout(input_spec: TensorSpec) -> str:
+    """The layout calibration images are given for a model input: NHWC when its last axis holds
+    3 channels and axis 1 does not, else NCHW."""
+    shape = input_spec.shape
+    if len(shape) == 4 and shape[3] == 3 and shape[1] != 3:
+        return "NHWC"
+    return "NCHW"
 
 
 def _read_image(path: Path, spec: Any, input_spec: TensorSpec) -> dict[str, np.ndarray]:

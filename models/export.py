@@ -134,9 +134,35 @@ def clean_onnx(model: Any) -> Any:
     """Fold BatchNorm and constants and drop dead nodes with onnxslim; returns a new model."""
     onnxslim = require("onnxslim", extra="host", purpose="ONNX graph clean-up")
     try:
-        return onnxslim.slim(model)
+        cleaned = onnxslim.slim(model)
     except Exception as exc:  # onnxslim raises many types on graphs it cannot handle
         raise ModelError(f"onnxslim could not optimise the graph: {exc}") from exc
+    named = name_nodes(cleaned)
+    if named:
+        log.info("named %d unnamed or duplicate-named node(s) (the precision plan and TensorRT's "
+                 "layer constraints refer to nodes by name)", named)
+    return cleaned
+
+
+def name_nodes(model: Any) -> int:
+    """Give every node without a name, or with a name an earlier node has, a unique one
+    (``<op type>_<n>``, as exporters do); returns how many were named. ONNX allows unnamed nodes,
+    but the precision plan and TensorRT's per-layer precision need a name for each."""
+    taken = {node.name for node in model.graph.node if node.name}
+    seen: set[str] = set()
+    counter = 0
+    named = 0
+    for node in model.graph.node:
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        while (candidate := f"{node.op_type}_{counter}") in taken:
+            counter += 1
+        node.name = candidate
+        taken.add(candidate)
+        seen.add(candidate)
+        named += 1
+    return named
 
 
 def export_onnx(

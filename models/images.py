@@ -8,7 +8,9 @@ A spec is a JSON file (``preprocessing.json`` in the calibration directory by de
 
 Each image is decoded to 8-bit RGB, resized with bilinear filtering to ``resize`` (height, width),
 multiplied by ``scale`` (default 1/255), normalised per channel with ``mean`` and ``std`` (given in
-``channel_order``), reordered to that channel order and laid out C x H x W.
+``channel_order``), reordered to that channel order and laid out C x H x W, or H x W x C when
+``layout`` is ``"NHWC"`` (without ``layout``, the model input's layout decides: see
+``models.calibration.from_directory``).
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ _KEYS = {"resize", "mean", "std", "channel_order", "scale", "layout"}
 
 @dataclass(frozen=True)
 class ImagePreprocessing:
-    """How an image file becomes one C x H x W float32 sample."""
+    """How an image file becomes one C x H x W (or H x W x C) float32 sample."""
 
     resize: tuple[int, int]
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     channel_order: str = "RGB"
     scale: float = 1.0 / 255.0
-    layout: str = "NCHW"
+    layout: str | None = None  # "NCHW" or "NHWC"; None: the model input's
 
     @classmethod
     def from_file(cls, path: Path) -> ImagePreprocessing:
@@ -89,17 +91,18 @@ class ImagePreprocessing:
                 or not math.isfinite(scale) or scale <= 0):
             raise CalibrationError("invalid preprocessing field", path=path, field="scale",
                                    expected="a finite positive number", found=scale)
-        layout = field("layout", "NCHW")
-        if layout != "NCHW":
-            raise CalibrationError("only NCHW inputs are supported for calibration images",
-                                   path=path, field="layout", found=layout)
+        layout = document.get("layout")  # optional: the model input's layout decides
+        if layout not in (None, "NCHW", "NHWC"):
+            raise CalibrationError("invalid preprocessing field", path=path, field="layout",
+                                   expected="NCHW or NHWC", found=layout)
         mean = numbers("mean", 3)
         std = numbers("std", 3, positive=True)
         return cls((int(resize[0]), int(resize[1])), (mean[0], mean[1], mean[2]),
                    (std[0], std[1], std[2]), order, float(scale), layout)
 
     def load(self, path: Path) -> np.ndarray:
-        """Decode, resize and normalise one image file to 3 x H x W float32."""
+        """Decode, resize and normalise one image file to 3 x H x W float32 (H x W x 3 for an
+        NHWC ``layout``)."""
         image_module = require("PIL.Image", extra="host", purpose="reading calibration images")
         try:
             with image_module.open(path) as image:
@@ -113,6 +116,8 @@ class ImagePreprocessing:
         mean = np.asarray(self.mean, dtype=np.float32)
         std = np.asarray(self.std, dtype=np.float32)
         normalised = (pixels * np.float32(self.scale) - mean) / std
+        if self.layout == "NHWC":
+            return np.ascontiguousarray(normalised)
         return np.ascontiguousarray(normalised.transpose(2, 0, 1))
 
     def to_manifest(self) -> dict[str, Any]:

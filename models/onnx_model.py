@@ -155,6 +155,53 @@ def image_layout(model: Any, spec: TensorSpec) -> str | None:
     return "NCHW"
 
 
+# Operations an output may pass through after its layout was set: they keep the tensor's shape.
+_SHAPE_KEEPING_OPS = frozenset({"Softmax", "LogSoftmax", "Sigmoid", "Relu", "Clip", "Tanh",
+                                "Identity", "Cast", "Add", "Sub", "Mul", "Div", "HardSigmoid"})
+
+
+def output_layout(model: Any, spec: TensorSpec, input_layout: str | None = None) -> str | None:
+    """``"NCHW"`` or ``"NHWC"`` for a 4-D output (where its classes or channels are), None for
+    other ranks.
+
+    Told, in this order, by the graph (walking back through shape-keeping operations such as a
+    softmax: a Transpose to channels-last or channels-first, or a Softmax over the last axis or
+    axis 1), by which of axis 1 and axis 3 has a fixed size while the other is dynamic, and
+    otherwise by ``input_layout`` (NCHW when that is unknown too).
+    """
+    if len(spec.shape) != 4:
+        return None
+    producer, _ = graph_links(model.graph)
+    name = spec.name
+    for _ in range(8):
+        node = producer.get(name)
+        if node is None:
+            break
+        attributes = {attribute.name: attribute for attribute in node.attribute}
+        if node.op_type == "Transpose" and "perm" in attributes:
+            perm = tuple(attributes["perm"].ints)
+            if perm == (0, 2, 3, 1):
+                return "NHWC"
+            if perm in NCHW_TO_NHWC_PERMS:
+                return "NCHW"
+            break
+        if node.op_type in ("Softmax", "LogSoftmax") and "axis" in attributes:
+            axis = attributes["axis"].i
+            if axis in (-1, 3):
+                return "NHWC"
+            if axis in (1, -3):
+                return "NCHW"
+        if node.op_type not in _SHAPE_KEEPING_OPS or not node.input:
+            break
+        name = node.input[0]
+    second, last = spec.shape[1], spec.shape[3]
+    if second < 0 <= last:
+        return "NHWC"
+    if last < 0 <= second:
+        return "NCHW"
+    return input_layout if input_layout in ("NCHW", "NHWC") else "NCHW"
+
+
 def spatial_axes(layout: str | None) -> tuple[int, int] | None:
     """The (height, width) axes of a 4-D input of ``layout``."""
     return {"NCHW": (2, 3), "NHWC": (1, 2)}.get(layout or "")

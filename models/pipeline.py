@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from agent import __version__
-from agent.errors import ConfigError, PruningError
+from agent.errors import ConfigError, ModelError, PruningError, first_line
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
 from models.bundle import pack_bundle
-from models.manifest import MAX_NAME_LENGTH
+from models.manifest import MAX_NAME_LENGTH, MAX_VERSION
 from models.calibration import DEFAULT_SAMPLES, CalibrationSet, from_array, from_directory
 from models.ort import int8_kernels
 from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, model_outputs, quantize_model
@@ -39,6 +39,8 @@ _BUNDLE_NAME = re.compile(r"^(?P<name>[a-z0-9][a-z0-9._-]*)-(?P<version>\d+)\.bu
 
 # No layer loses more than this fraction of its channels, so neither can the whole model.
 MAX_PRUNE_RATIO: float = PruneConfig.max_layer_ratio
+EXAMPLE_FRAME = (224, 224)  # the example models' deployment frame (see BuildOptions.frame_size)
+MIN_FRAME, MAX_FRAME = 8, 8192
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,13 @@ class BuildOptions:
     version: int | None = None
     max_batch: int = 32
     opt_batch: int = 8
-    speed_size: int = 224
+    # The deployment frame (height, width) for models that take any image size: the engine
+    # profile's optimum and the host speed check's input. None: 224 x 224 for the example models
+    # (trained at 32 x 32, measured at a camera-like size), the calibration samples' size otherwise.
+    frame_size: tuple[int, int] | None = None
+    # The first output's layout, to find its classes when judging agreement (4-D outputs only;
+    # default: told by the graph, see models.onnx_model.output_layout).
+    output_layout: str | None = None
     threads: int = 2
     build_engine: bool = False
     progress: bool = True
@@ -106,8 +114,9 @@ class BuildOptions:
         if not 1 <= self.opt_batch <= self.max_batch:
             raise ConfigError("need 1 <= opt batch <= max batch", opt_batch=self.opt_batch,
                               max_batch=self.max_batch)
-        if self.version is not None and self.version < 1:
-            raise ConfigError("version must be >= 1", found=self.version)
+        if self.version is not None and not 1 <= self.version <= MAX_VERSION:
+            raise ConfigError(f"version must be from 1 to {MAX_VERSION}", key="--version",
+                              found=self.version)
         if self.name is not None and (not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", self.name)
                                       or len(self.name) > MAX_NAME_LENGTH):
             raise ConfigError(f"name must be lower-case letters, digits, '.', '_' or '-', at "
@@ -117,10 +126,20 @@ class BuildOptions:
         for key, value, minimum in (("--threads", self.threads, 1),
                                     ("--finetune-epochs", self.finetune_epochs, 0),
                                     ("--prune-steps", self.prune_steps, 1),
-                                    ("--round-to", self.round_to, 1),
-                                    ("speed_size", self.speed_size, 32)):
+                                    ("--round-to", self.round_to, 1)):
             if value < minimum:
                 raise ConfigError(f"{key} must be at least {minimum}", key=key, found=value)
+        if self.frame_size is not None and (
+                len(self.frame_size) != 2
+                or not all(MIN_FRAME <= side <= MAX_FRAME for side in self.frame_size)):
+            raise ConfigError(f"--frame-size must be a height and width from {MIN_FRAME} to "
+                              f"{MAX_FRAME}", key="--frame-size", found=self.frame_size)
+        if self.output_layout not in (None, "NCHW", "NHWC"):
+            raise ConfigError("--output-layout must be NCHW or NHWC", key="--output-layout",
+                              found=self.output_layout)
+        if self.output_layout is not None and self.model is not None:
+            raise ConfigError("--output-layout is for --onnx and --user-model (the example "
+                              "models are judged against their labels)", key="--output-layout")
         if self.prune_target_macs is not None and self.prune_target_macs < 1:
             raise ConfigError("--prune-target-macs must be positive", key="--prune-target-macs",
                               found=self.prune_target_macs)
@@ -357,6 +376,8 @@ def _build(options: BuildOptions) -> BuildResult:
         else:
             float_bytes, evaluator, calibration, meta = stages.run(
                 "prepare PyTorch model", _from_torch, options, report, stages)
+        _check_frame_option(meta, options)
+        stages.run("check frame sizes", check_frame_sizes, float_bytes, meta, options)
         name = _planned_name(options)
         version = options.version or next_version(options.out_dir, name)
         bundle_path = options.out_dir / f"{name}-{version}.bundle"
@@ -388,7 +409,8 @@ def _build(options: BuildOptions) -> BuildResult:
         engines: dict[str, str] = {}
         if options.build_engine:
             engines = stages.run("TensorRT engine", _build_engine, files, work, quantized,
-                                 _engine_profile(meta, options))
+                                 _engine_profile(meta, options),
+                                 meta["layouts"].get(meta["input_name"]) or "NCHW")
 
         manifest = _manifest(name, version, quantized, engines, report["accuracy"], meta, options)
         report.update(
@@ -472,9 +494,11 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
     model = stages.run("load trained model", load_example, spec.name, threads=options.threads)
     example = torch.from_numpy(train_split.images[:2])
     fp32_top1 = top1_accuracy(predict(model, held_out.images), held_out.labels)
-    speed_example = torch.zeros(1, 3, options.speed_size, options.speed_size)
+    height, width = options.frame_size or EXAMPLE_FRAME
+    size = f"{height}" if height == width else f"{height}x{width}"
+    speed_example = torch.zeros(1, 3, height, width)
     macs, params = count_macs_and_params(model, speed_example)
-    report["model"] = {"fp32_top1": fp32_top1, "params": params, f"macs_{options.speed_size}": macs}
+    report["model"] = {"fp32_top1": fp32_top1, "params": params, f"macs_{size}": macs}
     pruned_top1 = None
     if options.prune_ratio or options.prune_target_macs:
         # MACs (and a MAC target) are counted at the deployment size, not the training size.
@@ -484,7 +508,7 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
         pruned_top1 = prune_report["top1"]
         macs_after, params_after = count_macs_and_params(model, speed_example)
         report["model"].update({"pruned_params": params_after,
-                                f"pruned_macs_{options.speed_size}": macs_after})
+                                f"pruned_macs_{size}": macs_after})
     exported = stages.run("export ONNX", export_onnx, model, example,
                           check_inputs=[held_out.images[:64]])
     report["export"] = _export_report(exported)
@@ -530,7 +554,7 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
     inputs, _ = io_specs(exported_model)
     calibration = from_directory(calib_dir, inputs, options.calib_samples,
                                  preprocessing=options.calib_preprocess)
-    evaluator = _agreement_evaluator(exported.model_bytes, calibration, options.threads)
+    evaluator = _agreement_evaluator(exported_model, exported.model_bytes, calibration, options)
     meta = {
         "source": {"kind": "pytorch", "model": options.user_model,
                    "checkpoint": str(options.checkpoint) if options.checkpoint else None},
@@ -541,11 +565,27 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
     return exported.model_bytes, evaluator, calibration, meta
 
 
-def _agreement_evaluator(float_bytes: bytes, calibration: CalibrationSet,
-                         threads: int) -> Evaluator:
-    """Without labels, INT8 is judged by agreement with the FP32 model on the calibration set."""
-    return Evaluator(calibration.arrays, threads=threads,
-                     reference=model_outputs(float_bytes, calibration.arrays, threads=threads))
+def _agreement_evaluator(model: Any, float_bytes: bytes, calibration: CalibrationSet,
+                         options: BuildOptions) -> Evaluator:
+    """Without labels, INT8 is judged by agreement with the FP32 model (``model``, parsed, and
+    ``float_bytes``) on the calibration set; for a 4-D first output, the classes are on the axis
+    its layout (``--output-layout``, else :func:`models.onnx_model.output_layout`) says."""
+    from models.onnx_model import image_layout, io_specs, output_layout
+
+    inputs, outputs = io_specs(model)
+    layout = options.output_layout
+    if layout is not None and len(outputs[0].shape) != 4:
+        raise ConfigError("--output-layout applies to a 4-D first output (N x C x H x W or "
+                          "N x H x W x C)", key="--output-layout", output=outputs[0].name,
+                          found=list(outputs[0].shape))
+    if layout is None:
+        layout = output_layout(model, outputs[0], image_layout(model, inputs[0]))
+    reference = model_outputs(float_bytes, calibration.arrays, threads=options.threads)
+    evaluator = Evaluator(calibration.arrays, threads=options.threads, reference=reference,
+                          class_axis=3 if layout == "NHWC" else 1)
+    log.info("INT8 is judged by %s%s", evaluator.metric_description,
+             f" ({outputs[0].name!r} read as {layout})" if layout else "")
+    return evaluator
 
 
 def _from_onnx(options: BuildOptions, report: dict[str, Any]):
@@ -565,7 +605,7 @@ def _from_onnx(options: BuildOptions, report: dict[str, Any]):
         "node_counts_after": node_counts(cleaned),
     }
     float_bytes = cleaned.SerializeToString()
-    evaluator = _agreement_evaluator(float_bytes, calibration, options.threads)
+    evaluator = _agreement_evaluator(cleaned, float_bytes, calibration, options)
     meta = {
         "source": {"kind": "onnx", "path": str(options.onnx)},
         "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
@@ -637,6 +677,7 @@ def _accuracy_report(result: QuantizeResult, meta: dict[str, Any],
                      options: BuildOptions) -> dict[str, Any]:
     accuracy: dict[str, Any] = {
         "metric": result.metric_name,
+        "metric_description": result.metric_description,
         "dataset": meta["dataset"],
         "fp32": round(result.float_metric, 3),
         "int8_all_layers": round(result.full_int8_metric, 3),
@@ -659,26 +700,104 @@ def _accuracy_report(result: QuantizeResult, meta: dict[str, Any],
     return accuracy
 
 
-def _speed_inputs(meta: dict[str, Any], options: BuildOptions) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every input's batch shape and dtype for the speed check: ``opt_batch`` samples of the
-    calibration samples' shape, the first input's dynamic height and width at ``speed_size``."""
+def frame_size(meta: dict[str, Any], options: BuildOptions) -> tuple[int, int] | None:
+    """The deployment frame (height, width) of a model whose first input takes any size, else
+    None (see :attr:`BuildOptions.frame_size`): the given one, 224 x 224 for the example models,
+    or the calibration samples' size."""
     from models.onnx_model import spatial_axes
 
+    axes = spatial_axes(meta["layouts"].get(meta["input_name"]))
+    if not meta["dynamic_hw"] or axes is None:
+        return None
+    if options.frame_size is not None:
+        return (int(options.frame_size[0]), int(options.frame_size[1]))
+    if options.model is not None:
+        return EXAMPLE_FRAME
+    sample = _sample_shape(meta, meta["input_name"])
+    return (int(sample[axes[0] - 1]), int(sample[axes[1] - 1]))  # the sample has no batch axis
+
+
+def _sample_shape(meta: dict[str, Any], name: str) -> tuple[int, ...]:
+    return next(tuple(shape) for input_name, _, shape in meta["inputs"] if input_name == name)
+
+
+def _check_frame_option(meta: dict[str, Any], options: BuildOptions) -> None:
+    """Refuse --frame-size for a model whose first input has a fixed height and width."""
+    if options.frame_size is not None and not meta["dynamic_hw"]:
+        raise ConfigError("--frame-size is for models whose input takes any height and width; "
+                          "this one's is fixed", key="--frame-size", input=meta["input_name"],
+                          shape=list(_sample_shape(meta, meta["input_name"])))
+
+
+def _frame_inputs(meta: dict[str, Any], batch: int,
+                  frame: tuple[int, int] | None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every input's shape and dtype for ``batch`` samples at ``frame``: the calibration samples'
+    shape, with the dynamic height and width of the first input, and of every other image input
+    calibrated at the same size as it (an aligned depth map, a mask), set to ``frame``."""
+    from models.onnx_model import spatial_axes
+
+    first_axes = spatial_axes(meta["layouts"].get(meta["input_name"]))
+    first = _sample_shape(meta, meta["input_name"])
+    first_hw = tuple(first[axis - 1] for axis in first_axes) if first_axes else None
     feeds = {}
     for name, dtype, sample_shape in meta["inputs"]:
-        shape = [options.opt_batch, *sample_shape]
-        if name == meta["input_name"]:
-            axes = spatial_axes(meta["layouts"].get(name)) or ()
-            for axis_name, axis in zip(("height", "width"), axes):
+        shape = [batch, *sample_shape]
+        axes = spatial_axes(meta["layouts"].get(name))
+        if frame is not None and axes is not None and first_hw is not None and tuple(
+                sample_shape[axis - 1] for axis in axes) == first_hw:
+            for axis_name, axis, side in zip(("height", "width"), axes, frame):
                 if axis_name in meta["dynamic_hw"]:
-                    shape[axis] = options.speed_size
+                    shape[axis] = side
         feeds[name] = (tuple(shape), dtype)
     return feeds
 
 
+def check_frame_sizes(float_bytes: bytes, meta: dict[str, Any], options: BuildOptions) -> None:
+    """Run the FP32 model once at the engine profile's frame sizes beyond the calibration size
+    (the optimum and the largest), so that a model that cannot take them (a network that needs
+    multiples of 64, or inputs that must match) is refused now, not after calibration or in the
+    board's engine build.
+
+    Raises:
+        ModelError: the model fails at one of the sizes (names it and ONNX Runtime's reason).
+    """
+    from models.ort import create_session
+
+    profile = _engine_profile(meta, options)
+    if "height" not in profile and "width" not in profile:
+        return
+    session = create_session(float_bytes, threads=options.threads, fold_relu=False)
+    rng = np.random.default_rng(0)
+    for role, index in (("optimum", 1), ("largest", 2)):
+        frame = (profile.get("height", [None] * 3)[index], profile.get("width", [None] * 3)[index])
+        feeds = _frame_inputs(meta, 1, _fill_fixed(meta, frame))
+        feed = {name: rng.standard_normal(shape).astype(dtype)
+                for name, (shape, dtype) in feeds.items()}
+        try:
+            session.run(None, feed)
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types
+            shapes = ", ".join(f"{name} {list(shape)}" for name, (shape, _) in feeds.items())
+            raise ModelError(f"the model does not run at the engine profile's {role} frame size "
+                             f"({shapes}); give --frame-size with a size it accepts",
+                             reason=first_line(exc)) from None
+
+
+def _fill_fixed(meta: dict[str, Any], frame: tuple[int | None, int | None]) -> tuple[int, int]:
+    """``frame`` with a fixed height or width (None in a profile) taken from the first input."""
+    from models.onnx_model import spatial_axes
+
+    axes = spatial_axes(meta["layouts"].get(meta["input_name"]))
+    assert axes is not None  # only called for models with a dynamic height or width
+    sample = _sample_shape(meta, meta["input_name"])
+    height, width = frame
+    return (height if height is not None else int(sample[axes[0] - 1]),
+            width if width is not None else int(sample[axes[1] - 1]))
+
+
 def _speed_report(float_bytes: bytes, int8_bytes: bytes, meta: dict[str, Any],
                   options: BuildOptions) -> dict[str, Any]:
-    feeds = _speed_inputs(meta, options)
+    frame = frame_size(meta, options)
+    feeds = _frame_inputs(meta, options.opt_batch, frame)
     fp32 = _speed(float_bytes, feeds, options.threads)
     int8 = _speed(int8_bytes, feeds, options.threads)
     return {
@@ -696,30 +815,35 @@ def _speed_report(float_bytes: bytes, int8_bytes: bytes, meta: dict[str, Any],
 
 def _engine_profile(meta: dict[str, Any], options: BuildOptions) -> dict[str, list[int]]:
     """The shape ranges a TensorRT engine for this bundle is built for: batch from 1 to
-    ``max_batch`` tuned at ``opt_batch`` and, for models that take any image size, height and width
-    from the training size to twice the deployment size, tuned at the deployment size."""
+    ``max_batch`` tuned at ``opt_batch`` and, for models that take any image size, each dynamic
+    one of height and width from the smaller of the calibration and deployment sizes to the larger
+    of twice the deployment size and the calibration size, tuned at the deployment size
+    (:func:`frame_size`)."""
     from models.onnx_model import spatial_axes
 
     profile = {"batch": [1, options.opt_batch, options.max_batch]}
-    name = meta["input_name"]
-    sample_shape = next(shape for input_name, _, shape in meta["inputs"] if input_name == name)
-    axes = spatial_axes(meta["layouts"].get(name)) or ()
-    for axis_name, axis in zip(("height", "width"), axes):
+    frame = frame_size(meta, options)
+    axes = spatial_axes(meta["layouts"].get(meta["input_name"]))
+    if frame is None or axes is None:
+        return profile
+    sample = _sample_shape(meta, meta["input_name"])
+    for axis_name, axis, deployed in zip(("height", "width"), axes, frame):
         if axis_name in meta["dynamic_hw"]:
-            trained = int(sample_shape[axis - 1])  # the sample has no batch axis
-            profile[axis_name] = [min(trained, options.speed_size), options.speed_size,
-                                  2 * options.speed_size]
+            calibrated = int(sample[axis - 1])  # the sample has no batch axis
+            profile[axis_name] = [min(calibrated, deployed), deployed,
+                                  max(2 * deployed, calibrated)]
     return profile
 
 
 def _build_engine(files: dict[str, Path], work: Path, quantized: QuantizeResult,
-                  profile: dict[str, list[int]]) -> dict[str, str]:
+                  profile: dict[str, list[int]], layout: str) -> dict[str, str]:
     from models.tensorrt_builder import EngineBuildConfig, build_engine
 
     unset: list[int | None] = [None, None, None]
     height: list[int | None] = list(profile.get("height") or unset)
     width: list[int | None] = list(profile.get("width") or unset)
     config = EngineBuildConfig(
+        layout=layout,
         min_batch=profile["batch"][0],
         opt_batch=profile["batch"][1],
         max_batch=profile["batch"][2],

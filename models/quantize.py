@@ -156,6 +156,7 @@ class QuantizeResult:
     # Every output of the final model against FP32 (see output_fidelity); the budget judges
     # only the first.
     outputs: list[OutputFidelity] = field(default_factory=list)
+    metric_description: str = ""  # how the metric compares outputs (Evaluator.metric_description)
 
     @property
     def drop(self) -> float:
@@ -171,13 +172,59 @@ class QuantizeResult:
         return {"int8_layers": self.int8_layers, "fp16_layers": self.fp16_layers, "fp32_layers": []}
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """How outputs are compared with the FP32 model's when there are no labels.
+
+    ``kind``:
+        - ``"classes"``: the class (argmax over ``class_axis``) of each sample, and of each position
+          for dense outputs such as segmentation maps (N x C x H x W, or N x H x W x C);
+        - ``"binary"``: one channel (a single logit or probability, a binary mask): the decision
+          ``output > threshold`` (0 for logits, 0.5 for probabilities in [0, 1]) of each sample
+          and position;
+        - ``"values"``: one channel with no decision in it (every FP32 output on one side of the
+          threshold: depth, a score): 100 x (1 - the relative L2 error), so a 1-point budget
+          allows 1% error (about 40 dB SQNR).
+    """
+
+    kind: str
+    class_axis: int = 1
+    threshold: float = 0.0
+
+    @classmethod
+    def of(cls, reference: np.ndarray, class_axis: int = 1) -> Judgement:
+        """The judgement that suits FP32 outputs ``reference`` whose classes lie on ``class_axis``."""
+        if reference.ndim >= 2:
+            class_axis = class_axis % reference.ndim
+            if class_axis == 0:
+                raise InternalError("the class axis cannot be the batch axis")
+            if reference.shape[class_axis] > 1:
+                return cls("classes", class_axis)
+        # One value per sample (N, or N x 1) or per position: a decision, or just values.
+        finite = reference[np.isfinite(reference)]
+        probabilities = finite.size > 0 and finite.min() >= 0.0 and finite.max() <= 1.0
+        threshold = 0.5 if probabilities else 0.0
+        decisions = reference > threshold
+        if decisions.all() or not decisions.any():
+            return cls("values", class_axis)
+        return cls("binary", class_axis, threshold)
+
+    def describe(self) -> str:
+        if self.kind == "classes":
+            return f"agreement of the class (argmax over axis {self.class_axis})"
+        if self.kind == "binary":
+            return f"agreement of the decision output > {self.threshold:g} (one channel)"
+        return "100 x (1 - relative L2 error) against FP32 (one channel, no decision in it)"
+
+
 class Evaluator:
     """Scores a model on fixed samples: top-1 against labels, or agreement with FP32 outputs.
 
     Args:
         inputs: Input name to an N x ... array.
-        labels: Integer labels; ``None`` means "no labels", and the score is the percentage of
-            samples whose top-1 class matches ``reference`` (the FP32 model's outputs).
+        labels: Integer labels; ``None`` means "no labels": outputs are compared with
+            ``reference`` (the FP32 model's outputs) as ``judgement`` says (by default the one
+            :meth:`Judgement.of` picks, with classes on ``class_axis``).
     """
 
     def __init__(
@@ -187,6 +234,9 @@ class Evaluator:
         reference: np.ndarray | None = None,
         batch_size: int = 128,
         threads: int = 2,
+        *,
+        class_axis: int = 1,
+        judgement: Judgement | None = None,
     ) -> None:
         if labels is None and reference is None:
             raise InternalError("an evaluator needs labels or reference outputs")
@@ -195,10 +245,26 @@ class Evaluator:
         self.reference = reference
         self.batch_size = batch_size
         self.threads = threads
+        self.judgement = judgement
+        if labels is None and judgement is None:
+            assert reference is not None  # checked above
+            self.judgement = Judgement.of(reference, class_axis)
 
     @property
     def metric_name(self) -> str:
-        return "top1" if self.labels is not None else "agreement"
+        if self.labels is not None:
+            return "top1"
+        return "fidelity" if self._kind == "values" else "agreement"
+
+    @property
+    def metric_description(self) -> str:
+        if self.labels is not None or self.judgement is None:
+            return "top-1 against the labels"
+        return self.judgement.describe()
+
+    @property
+    def _kind(self) -> str | None:
+        return None if self.labels is not None or self.judgement is None else self.judgement.kind
 
     def outputs(self, model_bytes: bytes, *, fold_relu: bool = False) -> np.ndarray:
         """First output of the model for every sample (``fold_relu``: as ONNX Runtime serves it,
@@ -208,32 +274,46 @@ class Evaluator:
 
     @property
     def dense(self) -> bool:
-        """Judged by agreement on dense outputs (N x C x H x W, e.g. segmentation): the class
-        (argmax over the channel axis) at every position counts."""
-        return self.labels is None and self.reference is not None and self.reference.ndim > 2
+        """Judged by agreement at every position of dense outputs (e.g. segmentation maps, or a
+        binary mask), not once per sample."""
+        return (self._kind in ("classes", "binary") and self.reference is not None
+                and self.reference.ndim > 2)
 
     @property
     def predictions(self) -> int:
         """How many predictions a score counts: one per sample, or one per sample and position
-        for dense outputs."""
+        for dense outputs (0 when outputs are judged by their values)."""
+        if self._kind == "values":
+            return 0
         if self.dense:
-            assert self.reference is not None  # dense says so; keeps type checkers informed
-            return int(self.reference.shape[0] * np.prod(self.reference.shape[2:]))
+            assert self.reference is not None and self.judgement is not None  # dense says so
+            positions = [size for axis, size in enumerate(self.reference.shape)
+                         if axis not in (0, self.judgement.class_axis)]
+            return int(self.reference.shape[0] * np.prod(positions))
         return len(next(iter(self.inputs.values())))
 
     def score(self, outputs: np.ndarray) -> float:
-        if self.dense:
-            # One argmax over the flattened C x H x W would compare a single pixel per sample.
-            assert self.reference is not None
-            agree = outputs.argmax(axis=1) == self.reference.argmax(axis=1)
-            return float(agree.mean() * 100.0)
-        predicted = top1_classes(outputs)
         if self.labels is not None:
-            target = self.labels
-        else:
-            assert self.reference is not None  # __init__ requires labels or a reference
-            target = top1_classes(self.reference)
-        return float((predicted == target).mean() * 100.0)
+            return float((top1_classes(outputs) == self.labels).mean() * 100.0)
+        assert self.reference is not None and self.judgement is not None  # set in __init__
+        judgement, reference = self.judgement, self.reference
+        if outputs.shape != reference.shape:
+            raise InternalError(f"outputs {list(outputs.shape)} and the FP32 reference "
+                                f"{list(reference.shape)} differ in shape")
+        if judgement.kind == "values":
+            error = float(np.linalg.norm((outputs.astype(np.float64) - reference).ravel()))
+            signal = float(np.linalg.norm(reference.astype(np.float64).ravel()))
+            if not np.isfinite(error):
+                return 0.0
+            return float(max(0.0, 100.0 * (1.0 - error / signal))) if signal else (
+                100.0 if error == 0.0 else 0.0)
+        if judgement.kind == "binary":
+            agree = (outputs > judgement.threshold) == (reference > judgement.threshold)
+            return float(agree.mean() * 100.0)
+        # One argmax over the flattened C x H x W would compare a single pixel per sample.
+        agree = outputs.argmax(axis=judgement.class_axis) == reference.argmax(
+            axis=judgement.class_axis)
+        return float(agree.mean() * 100.0)
 
     def __call__(self, model_bytes: bytes) -> float:
         return self.score(self.outputs(model_bytes))
@@ -692,6 +772,7 @@ def quantize_model(
     return QuantizeResult(
         model_bytes=model_bytes,
         metric_name=evaluator.metric_name,
+        metric_description=evaluator.metric_description,
         float_metric=float_metric,
         full_int8_metric=full_metric,
         int8_metric=metric,
@@ -711,4 +792,5 @@ def _subset(evaluator: Evaluator, samples: int) -> Evaluator:
     inputs = {name: array[:samples] for name, array in evaluator.inputs.items()}
     labels = evaluator.labels[:samples] if evaluator.labels is not None else None
     reference = evaluator.reference[:samples] if evaluator.reference is not None else None
-    return Evaluator(inputs, labels, reference, evaluator.batch_size, evaluator.threads)
+    return Evaluator(inputs, labels, reference, evaluator.batch_size, evaluator.threads,
+                     judgement=evaluator.judgement)

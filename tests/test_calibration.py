@@ -122,3 +122,21 @@ def test_reader_feeds_every_sample_once_in_batches():
                                             (1, 1)])
 def test_batches_are_the_largest_equal_split(count, expected):
     assert even_batch_size(count, 32) == expected
+
+
+def test_copies_among_calibration_samples_are_warned_about(tmp_path, caplog):
+    from models.calibration import from_directory, warn_about_copies
+
+    rng = np.random.default_rng(0)
+    distinct = rng.standard_normal((5, 3, 4, 4)).astype(np.float32)
+    assert warn_about_copies({"input": distinct}, "x") == 5
+    assert not caplog.records
+    for index in range(8):  # a frame dumped over and over, and two more
+        np.save(tmp_path / f"{index}.npy", distinct[0] if index < 6 else distinct[index - 5])
+    spec = TensorSpec("input", "float32", (-1, 3, 4, 4), ("batch", "", "", ""))
+    with caplog.at_level("WARNING", logger="models.calibration"):
+        calibration = from_directory(tmp_path, [spec], samples=8)
+    assert len(calibration) == 8
+    [record] = [record for record in caplog.records if "copies" in record.getMessage()]
+    assert "5 of the 8 calibration samples" in record.getMessage()
+    assert "rest on 3 distinct samples" in record.getMessage()

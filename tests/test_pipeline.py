@@ -536,7 +536,7 @@ def test_sigterm_during_a_build_removes_its_staging_directory(tmp_path, keys, di
 
 
 def _export(model, inputs: dict[str, tuple[int, ...]], dynamic: dict[str, dict[int, str]],
-            path: Path) -> Path:
+            path: Path, output_axes: dict[int, str] | None = None) -> Path:
     """Export ``model`` the way other tools do (plain torch.onnx.export, no clean-up)."""
     import warnings
 
@@ -546,7 +546,7 @@ def _export(model, inputs: dict[str, tuple[int, ...]], dynamic: dict[str, dict[i
         warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter's notice
         torch.onnx.export(model, examples, str(path), dynamo=False, opset_version=17,
                           input_names=list(inputs), output_names=["scores"],
-                          dynamic_axes={**dynamic, "scores": {0: "batch"}})
+                          dynamic_axes={**dynamic, "scores": output_axes or {0: "batch"}})
     return path
 
 
@@ -568,11 +568,12 @@ def _samples(directory: Path, shape: tuple[int, ...], count: int = 48) -> Path:
     return write_samples(directory, rng.standard_normal((count, *shape)).astype(np.float32))
 
 
-def _build_onnx(model: Path, calib: Path, keys: Path, out: Path) -> dict:
+def _build_onnx(model: Path, calib: Path, keys: Path, out: Path, *extra: str) -> dict:
     """Build ``model`` (48 calibration samples, a 5-point budget: random weights) and return the
     bundle's manifest."""
     assert main(["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
-                 "--out", str(out), "--calib-samples", "48", "--accuracy-budget", "5"]) == 0
+                 "--out", str(out), "--calib-samples", "48", "--accuracy-budget", "5",
+                 *extra]) == 0
     return inspect_bundle(out / f"{model.stem}-1.bundle")["manifest"]
 
 
@@ -585,7 +586,8 @@ def test_an_nhwc_model_is_described_as_nhwc_with_ranges_on_its_height_and_width(
     model = _export(_ChannelsLast(), {"image": (2, 32, 32, 3)},
                     {"image": {0: "batch", 1: "height", 2: "width"}}, tmp_path / "nhwc.onnx")
     out = tmp_path / "out"
-    manifest = _build_onnx(model, _samples(tmp_path / "c", (32, 32, 3)), keys, out)
+    manifest = _build_onnx(model, _samples(tmp_path / "c", (32, 32, 3)), keys, out,
+                           "--frame-size", "224")
     assert manifest["inputs"][0]["layout"] == "NHWC"
     profile = manifest["engine_profile"]
     assert profile["height"] == profile["width"] == [32, 224, 448]
@@ -601,10 +603,13 @@ def test_an_nhwc_model_is_described_as_nhwc_with_ranges_on_its_height_and_width(
 def test_a_model_with_only_a_dynamic_height_gets_a_height_range(tmp_path, keys):
     model = _export(_small_cnn(), {"input": (2, 3, 32, 32)},
                     {"input": {0: "batch", 2: "height"}}, tmp_path / "tall.onnx")
-    manifest = _build_onnx(model, _samples(tmp_path / "c", (3, 32, 32)), keys, tmp_path / "out")
+    out = tmp_path / "out"
+    manifest = _build_onnx(model, _samples(tmp_path / "c", (3, 32, 32)), keys, out)
     assert manifest["inputs"][0]["layout"] == "NCHW"
-    assert manifest["engine_profile"]["height"] == [32, 224, 448]
+    # Without --frame-size, frames are deployed at the calibration samples' size.
+    assert manifest["engine_profile"]["height"] == [32, 32, 64]
     assert "width" not in manifest["engine_profile"]
+    assert json.loads((out / "report.json").read_text())["speed"]["input_shape"] == [8, 3, 32, 32]
 
 
 def _small_cnn():
@@ -670,3 +675,177 @@ def test_missing_external_data_is_named_as_such(tmp_path):
     (tmp_path / "m.data").unlink()
     with pytest.raises(ModelError, match="external data cannot be read"):
         load_onnx(tmp_path / "m.onnx")
+
+
+# --- deployment frame sizes -------------------------------------------------------------------
+
+
+class _Hourglass(torch.nn.Module):
+    """Down twice, up twice, and a skip connection: takes only sizes divisible by 4."""
+
+    def __init__(self, in_channels: int = 3) -> None:
+        super().__init__()
+        self.down = torch.nn.Sequential(torch.nn.Conv2d(in_channels, 8, 3, 2, 1), torch.nn.ReLU(),
+                                        torch.nn.Conv2d(8, 8, 3, 2, 1), torch.nn.ReLU())
+        self.up = torch.nn.Upsample(scale_factor=4.0)
+        self.head = torch.nn.Conv2d(8 + in_channels, 4, 1)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.up(self.down(x)), x], dim=1))
+
+
+_DENSE_AXES = {0: "batch", 2: "height", 3: "width"}
+
+
+def test_a_frame_size_the_model_cannot_take_is_refused_before_calibration(tmp_path, keys, capsys):
+    torch.manual_seed(0)
+    model = _export(_Hourglass(), {"input": (2, 3, 32, 32)}, {"input": _DENSE_AXES},
+                    tmp_path / "hourglass.onnx", output_axes=_DENSE_AXES)
+    calib = _samples(tmp_path / "c", (3, 32, 32))
+    args = ["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
+            "--out", str(tmp_path / "out"), "--calib-samples", "48"]
+    err = _fails([*args, "--frame-size", "30x32"], capsys)
+    assert "does not run at the engine profile's optimum frame size (input [1, 3, 30, 32])" in err
+    assert "give --frame-size" in err and "Traceback" not in err
+    assert _outputs(tmp_path / "out") == set()
+    manifest = _build_onnx(model, calib, keys, tmp_path / "out", "--frame-size", "64x96",
+                           "--accuracy-budget", "100")
+    assert manifest["engine_profile"]["height"] == [32, 64, 128]
+    assert manifest["engine_profile"]["width"] == [32, 96, 192]
+
+
+class _ImageAndDepth(torch.nn.Module):
+    """RGB and an aligned depth map, concatenated: both take any size, but the same one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Hourglass(in_channels=4)
+
+    def forward(self, image, depth):
+        return self.body(torch.cat([image, depth], dim=1))
+
+
+def test_aligned_inputs_are_sized_together_at_the_frame_size(tmp_path, keys):
+    torch.manual_seed(0)
+    model = _export(_ImageAndDepth(), {"image": (2, 3, 32, 32), "depth": (2, 1, 32, 32)},
+                    {"image": _DENSE_AXES, "depth": _DENSE_AXES}, tmp_path / "rgbd.onnx",
+                    output_axes=_DENSE_AXES)
+    calib = tmp_path / "c"
+    calib.mkdir()
+    rng = np.random.default_rng(0)
+    for index in range(48):
+        np.savez(calib / f"{index:03d}.npz",
+                 image=rng.standard_normal((3, 32, 32)).astype(np.float32),
+                 depth=rng.uniform(0, 1, (1, 32, 32)).astype(np.float32))
+    out = tmp_path / "out"
+    _build_onnx(model, calib, keys, out, "--frame-size", "64", "--accuracy-budget", "100")
+    assert json.loads((out / "report.json").read_text())["speed"]["input_shape"] == [8, 3, 64, 64]
+
+
+def test_frame_size_is_refused_for_a_model_of_fixed_size(tmp_path, keys, digits_onnx, capsys):
+    model = _export(_small_cnn(), {"input": (2, 3, 32, 32)}, {"input": {0: "batch"}},
+                    tmp_path / "fixed.onnx")
+    err = _fails(["build", "--onnx", str(model), "--calib-dir",
+                  str(_samples(tmp_path / "c", (3, 32, 32))), "--key", str(keys),
+                  "--out", str(tmp_path / "out"), "--frame-size", "64"], capsys)
+    assert "--frame-size is for models whose input takes any height and width" in err
+
+
+def test_the_host_engine_build_puts_an_nhwc_models_ranges_on_its_height_and_width(
+        tmp_path, keys, monkeypatch):
+    import sys
+
+    import models.tensorrt_builder as builder
+    from models.fingerprint import GpuModel
+    from tests.fakes.fake_tensorrt import decode_plan, make_fake_tensorrt
+
+    monkeypatch.setitem(sys.modules, "tensorrt", make_fake_tensorrt("10.3.0.30"))
+    monkeypatch.setattr(builder, "cuda_gpu_model", lambda: GpuModel("8.7", 16))
+    torch.manual_seed(0)
+    model = _export(_ChannelsLast(), {"image": (2, 32, 32, 3)},
+                    {"image": {0: "batch", 1: "height", 2: "width"}}, tmp_path / "nhwc.onnx")
+    out = tmp_path / "out"
+    manifest = _build_onnx(model, _samples(tmp_path / "c", (32, 32, 3)), keys, out, "--engine")
+    bundle = open_bundle(out / "nhwc-1.bundle", [load_public_key(Path(f"{keys}.pub"))])
+    plan = decode_plan(bundle.read_member(next(iter(manifest["engines"].values()))))
+    assert plan["profiles"] == [
+        {"image": {"min": [1, 32, 32, 3], "opt": [8, 32, 32, 3], "max": [32, 64, 64, 3]}}]
+
+
+# --- judging agreement without labels ---------------------------------------------------------
+
+
+class _Segmenter(torch.nn.Module):
+    def __init__(self, classes: int, channels_last: bool) -> None:
+        super().__init__()
+        self.channels_last = channels_last
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+                                        torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU(),
+                                        torch.nn.Conv2d(16, classes, 1))
+
+    def forward(self, x):
+        scores = self.body(x)
+        return scores.permute(0, 2, 3, 1) if self.channels_last else scores
+
+
+def test_a_channels_last_segmentation_output_is_judged_like_its_channels_first_twin(
+        tmp_path, keys):
+    torch.manual_seed(0)
+    first = _Segmenter(5, channels_last=False)
+    last = _Segmenter(5, channels_last=True)
+    last.load_state_dict(first.state_dict())
+    calib = _samples(tmp_path / "c", (3, 16, 16))
+    reports = {}
+    for name, model, axes in (("nchw", first, _DENSE_AXES),
+                              ("nhwc", last, {0: "batch", 1: "height", 2: "width"})):
+        path = _export(model, {"input": (2, 3, 16, 16)}, {"input": _DENSE_AXES},
+                       tmp_path / f"{name}.onnx", output_axes=axes)
+        _build_onnx(path, calib, keys, tmp_path / name, "--accuracy-budget", "100")
+        reports[name] = json.loads((tmp_path / name / "report.json").read_text())["accuracy"]
+    assert "axis 3" in reports["nhwc"]["metric_description"]
+    assert "axis 1" in reports["nchw"]["metric_description"]
+    # The same weights and samples: the same share of positions keeps its class in INT8.
+    assert reports["nhwc"]["int8_all_layers"] == pytest.approx(reports["nchw"]["int8_all_layers"],
+                                                               abs=0.5)
+    assert reports["nchw"]["int8_all_layers"] < 100.0  # random weights: some positions move
+
+
+def test_a_binary_mask_is_judged_by_its_decision(tmp_path, keys):
+    torch.manual_seed(0)
+    path = _export(_Segmenter(1, channels_last=False), {"input": (2, 3, 16, 16)},
+                   {"input": _DENSE_AXES}, tmp_path / "mask.onnx", output_axes=_DENSE_AXES)
+    _build_onnx(path, _samples(tmp_path / "c", (3, 16, 16)), keys, tmp_path / "out",
+                "--accuracy-budget", "100")
+    accuracy = json.loads((tmp_path / "out" / "report.json").read_text())["accuracy"]
+    assert accuracy["metric"] == "agreement"
+    assert accuracy["metric_description"].startswith("agreement of the decision output > 0")
+    assert accuracy["int8_all_layers"] < 100.0  # argmax over one channel said 100 whatever changed
+
+
+def test_unnamed_nodes_are_named_so_the_model_builds(tmp_path, keys, digits_onnx):
+    model_path, calib = digits_onnx
+    model = onnx.load(str(model_path))
+    for node in model.graph.node:
+        node.name = ""
+    unnamed = tmp_path / "unnamed.onnx"
+    onnx.save(model, str(unnamed))
+    manifest = _build_onnx(unnamed, calib, keys, tmp_path / "out")
+    assert manifest["precision"]["int8_layers"]
+
+
+def test_calibration_images_follow_an_nhwc_models_layout(tmp_path, keys):
+    image_module = pytest.importorskip("PIL.Image")
+    torch.manual_seed(0)
+    model = _export(_ChannelsLast(), {"image": (2, 16, 16, 3)},
+                    {"image": {0: "batch", 1: "height", 2: "width"}}, tmp_path / "nhwc.onnx")
+    calib = tmp_path / "frames"
+    calib.mkdir()
+    rng = np.random.default_rng(0)
+    for index in range(48):
+        pixels = rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)
+        image_module.fromarray(pixels).save(calib / f"f{index:03d}.png")
+    (calib / "preprocessing.json").write_text(json.dumps(
+        {"resize": [16, 16], "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]}))
+    manifest = _build_onnx(model, calib, keys, tmp_path / "out")
+    assert manifest["preprocessing"]["layout"] == "NHWC"
+    assert manifest["engine_profile"]["height"] == [16, 16, 32]

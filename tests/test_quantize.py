@@ -248,6 +248,92 @@ def test_dense_outputs_are_judged_position_by_position():
     assert evaluator.score(changed) == pytest.approx(87.5)
 
 
+def test_channels_last_dense_outputs_take_their_class_from_the_last_axis():
+    # N x H x W x C (a segmentation head permuted to channels-last): the class is the argmax over
+    # axis 3; argmax over axis 1 would compare rows of the map instead.
+    rng = np.random.default_rng(1)
+    nchw = rng.standard_normal((4, 5, 6, 7)).astype(np.float32)  # 5 classes, 6 x 7 positions
+    nhwc = np.ascontiguousarray(nchw.transpose(0, 2, 3, 1))
+    inputs = {"input": np.zeros((4, 1), np.float32)}
+    first, last = Evaluator(inputs, reference=nchw), Evaluator(inputs, reference=nhwc, class_axis=3)
+    assert first.predictions == last.predictions == 4 * 6 * 7
+    noisy = nchw + rng.normal(scale=0.4, size=nchw.shape).astype(np.float32)
+    expected = first.score(noisy)
+    assert 50.0 < expected < 100.0
+    assert last.score(np.ascontiguousarray(noisy.transpose(0, 2, 3, 1))) == pytest.approx(expected)
+    assert "axis 3" in last.metric_description
+
+
+def test_one_channel_outputs_are_judged_by_their_decision_not_a_trivial_argmax():
+    from models.quantize import Judgement
+
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((3, 1, 8, 8)).astype(np.float32)  # a binary mask's logits
+    inputs = {"input": np.zeros((3, 1), np.float32)}
+    evaluator = Evaluator(inputs, reference=logits)
+    assert evaluator.judgement == Judgement("binary", 1, 0.0)
+    assert evaluator.metric_name == "agreement" and evaluator.predictions == 3 * 64
+    flipped = logits.copy()
+    flipped[0, 0, 0, :4] = -flipped[0, 0, 0, :4]  # 4 of 192 positions change side
+    assert evaluator.score(flipped) == pytest.approx(100.0 * (192 - 4) / 192)
+    # Probabilities in [0, 1] are cut at 0.5; a single logit per sample (N x 1) at 0.
+    probabilities = 1.0 / (1.0 + np.exp(-logits))
+    assert Evaluator(inputs, reference=probabilities).judgement.threshold == 0.5
+    single = rng.standard_normal((3, 1)).astype(np.float32)
+    single[0], single[1] = 1.0, -1.0
+    assert Evaluator(inputs, reference=single).score(-single) == 0.0
+
+
+def test_one_channel_outputs_without_a_decision_are_judged_by_relative_error():
+    depth = np.random.default_rng(3).uniform(1.0, 10.0, (2, 1, 4, 4)).astype(np.float32)
+    evaluator = Evaluator({"input": np.zeros((2, 1), np.float32)}, reference=depth)
+    assert evaluator.metric_name == "fidelity" and evaluator.predictions == 0
+    assert evaluator.score(depth) == 100.0
+    assert evaluator.score(depth * 1.02) == pytest.approx(98.0, abs=1e-4)  # 2% relative error
+    assert evaluator.score(np.full_like(depth, np.nan)) == 0.0
+    assert evaluator.score(-depth) == 0.0  # never below zero
+
+
+def test_a_subset_keeps_the_judgement_of_the_whole_set():
+    from models.quantize import _subset
+
+    reference = np.array([[3.0], [4.0], [-1.0]], np.float32)  # a decision only in the last one
+    evaluator = Evaluator({"input": np.zeros((3, 1), np.float32)}, reference=reference)
+    subset = _subset(evaluator, 2)
+    assert subset.judgement == evaluator.judgement and subset.judgement.kind == "binary"
+
+
+@pytest.mark.parametrize("tail, shape, input_layout, expected", [
+    ("transpose", [-1, -1, -1, 4], None, "NHWC"),
+    ("transpose_softmax", [-1, 16, 16, 4], None, "NHWC"),
+    ("softmax_last", [-1, 16, 16, 4], None, "NHWC"),
+    ("softmax_first", [-1, 4, 16, 16], "NHWC", "NCHW"),
+    ("plain", [-1, -1, -1, 4], None, "NHWC"),
+    ("plain", [-1, 4, -1, -1], "NHWC", "NCHW"),
+    ("plain", [-1, 16, 16, 4], "NHWC", "NHWC"),
+    ("plain", [-1, 4, 16, 16], None, "NCHW"),
+    ("plain", [-1, 10], None, None),
+])
+def test_an_outputs_layout_is_told_by_the_graph_then_its_shape(tail, shape, input_layout,
+                                                               expected):
+    from onnx import TensorProto, helper
+
+    from models.onnx_model import io_specs, output_layout
+
+    nodes = {"transpose": [helper.make_node("Transpose", ["x"], ["y"], perm=[0, 2, 3, 1])],
+             "transpose_softmax": [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1]),
+                                   helper.make_node("Softmax", ["t"], ["y"], axis=3)],
+             "softmax_last": [helper.make_node("Softmax", ["x"], ["y"], axis=-1)],
+             "softmax_first": [helper.make_node("Softmax", ["x"], ["y"], axis=1)],
+             "plain": [helper.make_node("Relu", ["x"], ["y"])]}[tail]
+    dims = [None if dim < 0 else dim for dim in shape]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)])
+    model = helper.make_model(graph)
+    _, (spec,) = io_specs(model)
+    assert output_layout(model, spec, input_layout) == expected
+
+
 def test_evaluation_sessions_use_the_builds_thread_count(digits, trained_onnx, monkeypatch):
     from models import quantize
 

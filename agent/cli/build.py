@@ -69,6 +69,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="largest batch the engine profile allows")
     build.add_argument("--opt-batch", type=int, default=8, metavar="N",
                        help="batch the engine is tuned for")
+    build.add_argument("--frame-size", type=_frame_size, metavar="HxW",
+                       help="deployment frame for models that take any image size: the engine "
+                            "profile's optimum (its range: the calibration size to twice this) "
+                            "and the host speed check's input (default: 224x224 for the example "
+                            "models, the calibration samples' size otherwise)")
+    build.add_argument("--output-layout", choices=("NCHW", "NHWC"),
+                       help="layout of a 4-D first output (segmentation), for judging agreement "
+                            "without labels (default: told by the graph)")
     build.add_argument("--threads", type=int, default=2, metavar="N",
                        help="CPU threads for PyTorch and ONNX Runtime on this host")
     build.add_argument("--engine", action="store_true",
@@ -82,6 +90,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--model", default=DEFAULT_MODEL)
     train.add_argument("--force", action="store_true", help="retrain even if cached")
     train.set_defaults(handler=run_train)
+
+
+def _frame_size(text: str) -> tuple[int, int]:
+    """``--frame-size``: ``HxW`` (``480x640``) or one number for a square frame."""
+    parts = text.lower().replace("×", "x").split("x")
+    try:
+        sides = [int(part) for part in parts]
+    except ValueError:
+        sides = []
+    if len(sides) == 1:
+        sides *= 2
+    if len(sides) != 2:
+        raise argparse.ArgumentTypeError(f"expected HEIGHTxWIDTH (e.g. 480x640) or one size, "
+                                         f"got {text!r}")
+    return sides[0], sides[1]
 
 
 def _target_macs(gmacs: float) -> int:
@@ -139,6 +162,8 @@ def run_build(args: argparse.Namespace) -> int:
         version=args.bundle_version,
         max_batch=args.max_batch,
         opt_batch=args.opt_batch,
+        frame_size=args.frame_size,
+        output_layout=args.output_layout,
         threads=args.threads,
         build_engine=args.engine,
         progress=sys.stderr.isatty(),
