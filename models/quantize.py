@@ -420,7 +420,8 @@ class QdqQuantizer:
             raise CalibrationError("calibration set is empty")
         self.config = config
         self.calibration = calibration
-        self.workdir = Path(workdir)
+        # Absolute: pre-processing runs with the work directory as the current one.
+        self.workdir = Path(workdir).resolve()
         self.float_path = self.workdir / "float.onnx"
         self.cache_path = self.workdir / "calibration.json"
         raw_path = self.workdir / "float.raw.onnx"
@@ -431,8 +432,7 @@ class QdqQuantizer:
         present = set(self.workdir.iterdir())
         try:
             with _working_directory(self.workdir):
-                self._quantization.quant_pre_process(str(raw_path.resolve()),
-                                                     str(self.float_path.resolve()))
+                self._quantization.quant_pre_process(str(raw_path), str(self.float_path))
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises a bare Exception here
             if "symbolic shape inference" not in str(exc):
                 raise

@@ -129,6 +129,21 @@ def test_build_from_onnx_uses_agreement_without_labels(tmp_path, keys, digits_on
     assert report["quantization"]["calibration"]["samples"] == 96
 
 
+def test_a_build_with_relative_paths(tmp_path, keys, digits_onnx, monkeypatch):
+    # The README's commands use relative paths (--out out/); quantization's pre-processing runs
+    # in the work directory, which once made them resolve a second time, under it.
+    import shutil
+
+    model_path, calib = digits_onnx
+    shutil.copy(model_path, tmp_path / "digits.onnx")
+    shutil.copytree(calib, tmp_path / "calib")
+    shutil.copy(keys, tmp_path / "fleet.key")
+    monkeypatch.chdir(tmp_path)
+    assert main(["build", "--onnx", "digits.onnx", "--calib-dir", "calib", "--key", "fleet.key",
+                 "--out", "out", "--calib-samples", "48", "--accuracy-budget", "5"]) == 0
+    assert _outputs(tmp_path / "out") == {"digits-1.bundle", "report.json"}
+
+
 def test_build_without_a_key_generates_one_beside_the_bundle(tmp_path):
     out = tmp_path / "out"
     assert main(["build", "--model", MODEL, "--out", str(out), *FAST]) == 0
