@@ -24,6 +24,7 @@ import numpy as np
 from agent.deps import require
 from agent.errors import ModelError, first_line
 from agent.fsutil import atomic_write_bytes
+from models.onnx_model import check_batch_outputs
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,13 @@ def flat_outputs(output: Any) -> list[Any]:
     return [output]
 
 
+def other_size(example: Any) -> tuple[int, int]:
+    """A height and width unlike ``example``'s (twice its height, three times its width) that
+    keeps whatever divisibility the model needs (a UNet takes multiples of 16 or 32)."""
+    height, width = example.shape[-2:]
+    return int(height) * 2, int(width) * 3
+
+
 def output_size_axes(model: Any, example: Any, output: Any) -> list[dict[int, str]] | None:
     """Run ``model`` at another height and width than ``example`` (whose result is ``output``):
     None when it cannot (a flatten straight into a linear layer: exported with a fixed size),
@@ -112,10 +120,7 @@ def output_size_axes(model: Any, example: Any, output: Any) -> list[dict[int, st
     """
     import torch
 
-    height, width = example.shape[-2:]
-    probe = torch.zeros(
-        (1, example.shape[1], height * 2, width * 2 + 8), dtype=example.dtype
-    )
+    probe = torch.zeros((1, example.shape[1], *other_size(example)), dtype=example.dtype)
     with torch.no_grad():
         try:
             other = flat_outputs(model(probe))
@@ -173,6 +178,7 @@ def export_onnx(
     input_name: str = INPUT_NAME,
     output_name: str = OUTPUT_NAME,
     check_inputs: list[np.ndarray] | None = None,
+    check_size: tuple[int, int] | None = (224, 224),
     atol: float = 1e-3,
     rtol: float = 1e-3,
 ) -> ExportResult:
@@ -183,7 +189,8 @@ def export_onnx(
         example: A float tensor of shape (N, C, H, W) at the size the model is used at.
         opset: ONNX opset, at least 17.
         check_inputs: Real input batches to compare ONNX Runtime and PyTorch on (in addition to
-            the example and, for size-agnostic models, a 224x224 batch).
+            the example and, for size-agnostic models, a batch of 2 at ``check_size``, or at
+            :func:`other_size` when that is None).
         atol, rtol: Tolerance of the comparison (``|onnx - torch| <= atol + rtol * |torch|``).
 
     Raises:
@@ -233,12 +240,14 @@ def export_onnx(
     remaining_bn = sum(node.op_type == "BatchNormalization" for node in cleaned.graph.node)
     if remaining_bn:
         log.warning("%d BatchNormalization nodes could not be folded (not after a conv)", remaining_bn)
+    check_batch_outputs(cleaned)
     model_bytes = cleaned.SerializeToString()
 
     batches = [example.numpy()] + list(check_inputs or [])
     if dynamic_spatial:
         generator = torch.Generator().manual_seed(0)
-        batches.append(torch.randn((2, example.shape[1], 224, 224), generator=generator).numpy())
+        size = check_size or other_size(example)
+        batches.append(torch.randn((2, example.shape[1], *size), generator=generator).numpy())
     checks, max_error = compare_with_torch(model, model_bytes, input_name, batches, atol, rtol)
     input_shape = tuple(
         dim.dim_param or dim.dim_value for dim in cleaned.graph.input[0].type.tensor_type.shape.dim
@@ -283,9 +292,21 @@ def compare_with_torch(
     checks = []
     worst = 0.0
     for batch in batches:
+        shape = list(batch.shape)
         with torch.no_grad():
-            expected_outputs = [tensor.numpy() for tensor in flat_outputs(model(torch.from_numpy(batch)))]
-        actual_outputs = session.run(None, {input_name: batch})
+            try:
+                expected_outputs = [tensor.numpy()
+                                    for tensor in flat_outputs(model(torch.from_numpy(batch)))]
+            except Exception as exc:  # noqa: BLE001 - any model error, named in one line
+                raise ModelError(f"the model fails on an input of shape {shape} (the bundle's "
+                                 "batch axis is dynamic: the model must take any batch size): "
+                                 f"{type(exc).__name__}: {first_line(exc)}") from exc
+        try:
+            actual_outputs = session.run(None, {input_name: batch})
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types
+            raise ModelError(f"the exported model fails in ONNX Runtime on an input of shape "
+                             f"{shape}, where PyTorch runs (a batch or size fixed by tracing, "
+                             f"e.g. a view(1, -1)?): {first_line(exc)}") from exc
         if len(actual_outputs) != len(expected_outputs):
             raise ModelError("the ONNX model has a different number of outputs than PyTorch",
                              expected=len(expected_outputs), found=len(actual_outputs))
@@ -305,7 +326,8 @@ def compare_with_torch(
             allowed = atol + rtol * np.abs(expected.astype(np.float64))
             if np.any(error > allowed):
                 raise ModelError(
-                    "ONNX output differs from PyTorch beyond tolerance",
+                    "ONNX output differs from PyTorch beyond tolerance (a branch or loop on "
+                    "tensor values is traced for the example only; see TracerWarnings above)",
                     output=name,
                     input_shape=batch.shape,
                     max_abs_error=f"{output_error:.3g}",

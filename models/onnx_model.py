@@ -111,6 +111,24 @@ def check_float_model(model: Any, path: Path | None = None) -> None:
             raise ModelError("the model's first input axis must be a dynamic batch axis (export "
                              "with a dynamic batch dimension)", input=spec.name,
                              found=list(spec.shape), **where)
+    check_batch_outputs(model, path)
+
+
+def check_batch_outputs(model: Any, path: Path | None = None) -> None:
+    """Refuse outputs without a dynamic batch axis first (a scalar, a constant table of anchors,
+    a batch reduced away): the daemon batches requests and answers each from its own row.
+    Outputs whose shape the graph does not state are left to the later checks."""
+    where = {"path": path} if path is not None else {}
+    for value in model.graph.output:
+        tensor_type = value.type.tensor_type
+        if not tensor_type.HasField("shape"):
+            continue
+        dims = tensor_type.shape.dim
+        if not dims or (dims[0].HasField("dim_value") and dims[0].dim_value > 0):
+            shape = [dim.dim_value if dim.HasField("dim_value") else -1 for dim in dims]
+            raise ModelError("every model output needs the batch as its first, dynamic axis (the "
+                             "daemon batches requests and answers each from its own row); return "
+                             "per-sample tensors only", output=value.name, found=shape, **where)
 
 
 def io_specs(model: Any) -> tuple[list[TensorSpec], list[TensorSpec]]:

@@ -39,6 +39,7 @@ _BUNDLE_NAME = re.compile(r"^(?P<name>[a-z0-9][a-z0-9._-]*)-(?P<version>\d+)\.bu
 
 # No layer loses more than this fraction of its channels, so neither can the whole model.
 MAX_PRUNE_RATIO: float = PruneConfig.max_layer_ratio
+CHECK_SAMPLES = 8  # real samples a user model's export is checked on
 EXAMPLE_FRAME = (224, 224)  # the example models' deployment frame (see BuildOptions.frame_size)
 MIN_FRAME, MAX_FRAME = 8, 8192
 
@@ -546,9 +547,16 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
     model = stages.run("load user model", load_user_model, options.user_model, options.checkpoint)
     probe = from_directory(calib_dir,
                            [TensorSpec("input", "float32", (-1, -1, -1, -1), ("batch",) * 4)],
-                           samples=1, preprocessing=options.calib_preprocess, probe=True)
-    example = torch.from_numpy(probe.arrays["input"])
-    exported = stages.run("export ONNX", export_onnx, model, example)
+                           samples=CHECK_SAMPLES, preprocessing=options.calib_preprocess,
+                           probe=True)
+    samples = probe.arrays["input"]
+    example = torch.from_numpy(samples[:1])
+    # ONNX is checked against PyTorch on real samples, one by one and as a batch: tracing keeps
+    # the branch the example took, so a branch on the data shows up as a mismatch here, and a
+    # model that cannot take a batch fails here, not in calibration.
+    exported = stages.run("export ONNX", export_onnx, model, example, check_size=None,
+                          check_inputs=[*(samples[index:index + 1]
+                                          for index in range(1, len(samples))), samples])
     report["export"] = _export_report(exported)
     exported_model = onnx.load_from_string(exported.model_bytes)
     inputs, _ = io_specs(exported_model)

@@ -176,3 +176,105 @@ def test_an_error_reason_is_one_line_even_without_a_message():
     assert first_line(RuntimeError("\n  shape mismatch  \nsecond line")) == "shape mismatch"
     assert first_line(IndexError()) == "IndexError"  # was an IndexError of its own
     assert first_line(ValueError("x" * 500), limit=20) == "x" * 17 + "..."
+
+
+class _Sixteens(nn.Module):
+    """Four stride-2 stages down and back up, with a skip: takes multiples of 16 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Sequential(*[nn.Conv2d(3, 3, 3, 2, 1) for _ in range(4)])
+        self.up = nn.Upsample(scale_factor=16.0)
+
+    def forward(self, x):
+        return self.up(self.down(x)) + x
+
+
+def test_a_model_taking_multiples_of_16_is_found_to_take_any_such_size():
+    # Probing at twice the height and three times the width keeps the divisibility the example
+    # had (a width of 2W + 8 did not, and such a model was exported with a fixed size).
+    result = export_onnx(_Sixteens().eval(), torch.randn(1, 3, 32, 32), check_size=None)
+    assert result.dynamic_spatial
+    assert any(check["input_shape"] == [2, 3, 64, 96] for check in result.checks)
+
+
+class _WithAnchors(nn.Module):
+    def __init__(self, scalar: bool = False) -> None:
+        super().__init__()
+        self.scalar = scalar
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.register_buffer("anchors", torch.arange(20.0).reshape(5, 4))
+
+    def forward(self, x):
+        scores = self.conv(x).mean(dim=(2, 3))
+        return scores.sum() if self.scalar else (scores, self.anchors * 1.0)
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+def test_outputs_without_a_batch_axis_are_refused(scalar):
+    with pytest.raises(ModelError) as caught:
+        export_onnx(_WithAnchors(scalar).eval(), torch.randn(1, 3, 16, 16))
+    message = str(caught.value)
+    assert "needs the batch as its first, dynamic axis" in message or "export failed" in message
+    assert "\n" not in message
+
+
+def test_an_onnx_model_with_an_output_without_a_batch_axis_is_refused(tmp_path):
+    from onnx import TensorProto, helper
+
+    from models.onnx_model import check_float_model
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Shape", ["x"], ["shape"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3, 8, 8]),
+         helper.make_tensor_value_info("shape", TensorProto.INT64, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ModelError, match="needs the batch as its first") as caught:
+        check_float_model(model)
+    assert caught.value.fields["output"] == "shape"
+
+
+class _OneAtATime(nn.Module):
+    """Takes one frame at a time: refuses a batch (checked in Python, so tracing never sees it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        if x.shape[0] != 1:
+            raise ValueError("one frame at a time")
+        return self.conv(x).mean(dim=(2, 3))
+
+
+def test_a_model_that_cannot_take_a_batch_is_named_in_one_line():
+    batch = np.random.default_rng(0).standard_normal((4, 3, 8, 8)).astype(np.float32)
+    with pytest.raises(ModelError) as caught:
+        export_onnx(_OneAtATime().eval(), torch.randn(1, 3, 8, 8), check_inputs=[batch])
+    message = str(caught.value)
+    assert "the model fails on an input of shape [4, 3, 8, 8]" in message
+    assert "must take any batch size" in message and "ValueError: one frame at a time" in message
+    assert "\n" not in message
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x).mean(dim=(2, 3))
+        if x.mean() > 0:  # a branch on the data: tracing keeps the example's
+            return y
+        return -y
+
+
+def test_a_branch_on_the_data_is_caught_on_real_samples():
+    rng = np.random.default_rng(0)
+    samples = rng.standard_normal((4, 3, 8, 8)).astype(np.float32)
+    samples[:2] += 2.0
+    samples[2:] -= 2.0
+    with pytest.raises(ModelError, match="a branch or loop on tensor values"):
+        export_onnx(_Branchy().eval(), torch.from_numpy(samples[:1]),
+                    check_inputs=[samples[index:index + 1] for index in range(1, 4)])

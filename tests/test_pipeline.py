@@ -864,3 +864,24 @@ def test_calibration_images_follow_an_nhwc_models_layout(tmp_path, keys):
     manifest = _build_onnx(model, calib, keys, tmp_path / "out")
     assert manifest["preprocessing"]["layout"] == "NHWC"
     assert manifest["engine_profile"]["height"] == [16, 16, 32]
+
+
+def make_branchy():
+    from tests.test_export import _Branchy
+
+    torch.manual_seed(0)
+    return _Branchy()
+
+
+def test_a_user_model_that_branches_on_its_input_is_refused_at_export(tmp_path, keys, capsys):
+    # Tracing keeps the branch the first sample took; checking the export on several real
+    # samples shows the others disagree, before a bundle could serve the wrong branch.
+    rng = np.random.default_rng(0)
+    samples = rng.standard_normal((16, 3, 8, 8)).astype(np.float32)
+    samples[::2] += 2.0
+    samples[1::2] -= 2.0
+    calib = write_samples(tmp_path / "c", samples)
+    err = _fails(["build", "--user-model", "tests.test_pipeline:make_branchy", "--calib-dir",
+                  str(calib), "--key", str(keys), "--out", str(tmp_path / "out")], capsys)
+    assert "ONNX output differs from PyTorch" in err and "a branch or loop" in err
+    assert _outputs(tmp_path / "out") == set()
