@@ -688,3 +688,139 @@ def test_brotli_bodies_are_bounded_too() -> None:
     assert caught.value.status == 413
     with pytest.raises(RequestError, match="ends early"):
         decode_body(brotli.compress(b"frame" * 1000)[:-4], "br", 1 << 20)
+
+
+# -- found by probing: bytes a client should not be able to turn into 500s or wrong counts ----
+
+
+def _raw_exchange(server: ServerThread, request: bytes) -> bytes:
+    """Send raw bytes; return the whole answer (head and Content-Length bytes of body)."""
+    import socket
+
+    with socket.create_connection(server.url.split(":"), timeout=10) as raw:
+        raw.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += raw.recv(65536)
+        head, body = answer.split(b"\r\n\r\n", 1)
+        fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:] if b": " in line)
+        while len(body) < int(fields.get(b"Content-Length", b"0")):
+            body += raw.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_undecodable_bytes_in_a_token_are_a_401(model_path: Path) -> None:
+    running = ServerThread([backend(model_path)], BatchPolicy(max_batch_size=4), token="s3cret")
+    try:
+        answer = _raw_exchange(running, b"GET /v2/models/tiny HTTP/1.1\r\nHost: x\r\n"
+                                        b"Authorization: Bearer \xff\xfe\r\n\r\n")
+        assert answer.split(b"\r\n")[0].endswith(b"401 Unauthorized"), answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("value", [b"foo", b"\xff"])
+def test_an_unsupported_expect_header_is_a_json_417(server: ServerThread, value: bytes) -> None:
+    answer = _raw_exchange(server, b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nExpect: "
+                                   + value + b"\r\nContent-Length: 2\r\n\r\n{}")
+    assert answer.split(b"\r\n")[0].endswith(b"417 Expectation Failed"), answer
+    assert "unsupported Expect header" in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+
+
+def test_an_output_region_unregistered_while_its_request_runs_still_gets_the_answer(
+        model_path: Path) -> None:
+    # The region's span is taken when the request is decoded; it was looked up again after the
+    # model ran, so the answer became a 400 that the statistics counted as a success.
+    gated = backend(model_path, GatedBackend)
+    running = ServerThread([gated], BatchPolicy(max_batch_size=1, max_queue_delay_us=0))
+    client = http.InferenceServerClient(running.url)
+    out_key, out_path = _shm_file(40)
+    data = frames(1, seed=12)
+    try:
+        client.register_system_shared_memory("leaving_out", out_key, 40)
+        gated.gate.clear()
+        document = {"inputs": [{"name": "input", "shape": list(data.shape), "datatype": "FP32",
+                                "data": data.ravel().tolist()}],
+                    "outputs": [{"name": "logits", "parameters": {
+                        "shared_memory_region": "leaving_out", "shared_memory_byte_size": 40}}]}
+        with ThreadPoolExecutor(1) as pool:  # tritonclient's client stays on this thread
+            pending = pool.submit(post, running, "/v2/models/tiny/infer",
+                                  json.dumps(document).encode())
+            assert gated.running.wait(5)
+            client.unregister_system_shared_memory("leaving_out")
+            gated.gate.set()
+            code, _, payload = pending.result(10)
+        assert code == 200, payload
+        np.testing.assert_allclose(np.frombuffer(out_path.read_bytes(), np.float32).reshape(1, 10),
+                                   reference_logits(model_path, data), rtol=1e-4, atol=1e-5)
+        stats = running.service.stats()["inference_stats"]
+        assert (stats["success"]["count"], stats["fail"]["count"]) == (1, 0)
+    finally:
+        gated.gate.set()
+        out_path.unlink(missing_ok=True)
+        running.stop()
+
+
+def test_a_trickled_body_is_joined_into_few_pieces(server: ServerThread, model_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # One piece per TCP segment kept by reference made a byte-by-byte client cost ~250x its
+    # body in memory and stall the event loop while decoding views of every piece.
+    import socket
+
+    import agent.api.server as server_module
+
+    counts: list[int] = []
+    original = server_module.Body
+
+    def counting(pieces: Any) -> Any:
+        counts.append(len(pieces))
+        return original(pieces)
+
+    monkeypatch.setattr(server_module, "Body", counting)
+    data = frames(4, size=64, seed=13)  # 196 KB
+    body, length = binary_body(data)
+    head = (f"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            f"Inference-Header-Content-Length: {length}\r\n\r\n").encode()
+    with socket.create_connection(server.url.split(":"), timeout=10) as raw:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.sendall(head)
+        for start in range(0, len(body), 512):
+            raw.sendall(body[start:start + 512])
+            time.sleep(0.0005)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += raw.recv(65536)
+    assert answer.split(b"\r\n")[0].endswith(b"200 OK"), answer[:200]
+    assert counts and counts[-1] <= len(body) // (64 * 1024) + 2, counts
+
+
+def test_a_chunked_body_over_the_limit_is_counted(model_path: Path) -> None:
+    running = ServerThread([backend(model_path)], BatchPolicy(max_batch_size=4),
+                           max_body_bytes=4096)
+    try:
+        chunk = b"x" * 8192
+        answer = _raw_exchange(running, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\n"
+                                        b"Transfer-Encoding: chunked\r\n\r\n"
+                                        + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n0\r\n\r\n")
+        assert answer.split(b"\r\n")[0].endswith(b"413 Request Entity Too Large"), answer[:200]
+        stats = running.service.stats()["inference_stats"]
+        assert stats["fail"]["count"] == 1
+    finally:
+        running.stop()
+
+
+def test_an_empty_outputs_list_asks_for_every_output(server: ServerThread) -> None:
+    data = frames(1, seed=14)
+    document = {"inputs": [{"name": "input", "shape": list(data.shape), "datatype": "FP32",
+                            "data": data.ravel().tolist()}], "outputs": []}
+    code, _, payload = post(server, "/v2/models/tiny/infer", json.dumps(document).encode())
+    assert code == 200 and [output["name"] for output in json.loads(payload)["outputs"]] == ["logits"]
+
+
+def test_a_nan_literal_is_named_without_a_hint_about_binary_tensors(server: ServerThread) -> None:
+    body = b'{"inputs": [{"name": "input", "shape": [1], "datatype": "FP32", "data": [NaN]}]}'
+    code, _, payload = post(server, "/v2/models/tiny/infer", body)
+    message = json.loads(payload)["error"]
+    assert code == 400 and "NaN is not a JSON number" in message
+    assert "Inference-Header-Content-Length" not in message

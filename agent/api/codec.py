@@ -36,16 +36,25 @@ class SharedMemory(Protocol):
     def array(self, name: str, offset: int, dtype: np.dtype,
               shape: tuple[int, ...]) -> DeferredArray: ...
 
-    def check(self, name: str, offset: int, byte_size: int) -> None: ...
+    def target(self, name: str, offset: int, byte_size: int) -> OutputTarget: ...
+
+
+class OutputTarget(Protocol):
+    """Where an output goes in shared memory (agent/api/shm.py's SharedMemoryTarget)."""
+
+    byte_size: int
+
+    @property
+    def region(self) -> str: ...
+
+    def write(self, data: np.ndarray) -> None: ...
 
 
 @dataclass(frozen=True)
 class OutputRequest:
     name: str
     binary: bool | None  # None: follow the request-level binary_data_output
-    shm_region: str | None = None
-    shm_offset: int = 0
-    shm_byte_size: int = 0
+    shm: OutputTarget | None = None  # taken at decoding: an unregister cannot pull it away
 
 
 @dataclass
@@ -80,7 +89,8 @@ def _json_object(text: bytes, *, binary_follows: bool = False) -> dict[str, Any]
     try:
         value = parse_json(text)
     except RequestError as exc:
-        if binary_follows or text[:1] != b"{":
+        if binary_follows or text[:1] != b"{" or not (
+                "Extra data" in exc.message or "can't decode" in exc.message):
             raise
         # A binary body sent without its header length reads as JSON followed by junk.
         raise RequestError(f"{exc.message}; a body with binary tensors needs the "
@@ -284,7 +294,7 @@ def _decode_outputs(entries: Any, model_outputs: Sequence[TensorInfo], batch: in
                     shm: SharedMemory | None) -> list[OutputRequest]:
     infos = {info.name: info for info in model_outputs}
     names = list(infos)
-    if entries is None:
+    if entries is None or entries == []:  # as Triton: no outputs named means all of them
         return [OutputRequest(name, None) for name in names]
     if not isinstance(entries, list):
         raise RequestError("'outputs' must be a list")
@@ -314,27 +324,22 @@ def _decode_outputs(entries: Any, model_outputs: Sequence[TensorInfo], batch: in
             offset = _int_param(parameters, "shared_memory_offset", f"output {name}") or 0
             if shm is None:
                 raise RequestError("shared memory is not enabled", output=name)
-            # Checked before the model runs: a request whose answer has nowhere to go is refused.
-            shm.check(str(region), offset, size)
+            # Taken before the model runs: a request whose answer has nowhere to go is refused.
+            target = shm.target(str(region), offset, size)
             info = infos[name]
             if all(d >= 0 for d in info.sample_shape):
                 needed = batch * math.prod(info.sample_shape) * info.dtype.itemsize
                 if needed > size:
                     raise RequestError("output does not fit its shared memory region",
                                        output=name, needed=needed, found=size)
-            result.append(OutputRequest(name, binary, str(region), offset, size))
+            result.append(OutputRequest(name, binary, target))
         else:
             result.append(OutputRequest(name, binary))
     return result
 
 
-class WritableSharedMemory(SharedMemory, Protocol):
-    def write(self, name: str, offset: int, data: np.ndarray) -> None: ...
-
-
 def encode_response(request: InferRequest, outputs: Mapping[str, np.ndarray], *, model_name: str,
-                    model_version: str, shm: WritableSharedMemory | None
-                    ) -> tuple[bytes, dict[str, str]]:
+                    model_version: str) -> tuple[bytes, dict[str, str]]:
     """The response body and headers for one request's outputs."""
     header_outputs: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
@@ -342,15 +347,9 @@ def encode_response(request: InferRequest, outputs: Mapping[str, np.ndarray], *,
         array = np.ascontiguousarray(outputs[wanted.name])
         entry: dict[str, Any] = {"name": wanted.name, "datatype": datatype_of(array.dtype),
                                  "shape": list(array.shape)}
-        if wanted.shm_region is not None:
-            if array.nbytes > wanted.shm_byte_size:
-                raise RequestError("output does not fit its shared memory region",
-                                   output=wanted.name, needed=array.nbytes,
-                                   found=wanted.shm_byte_size)
-            if shm is None:
-                raise RequestError("shared memory is not enabled", output=wanted.name)
-            shm.write(wanted.shm_region, wanted.shm_offset, array)
-            entry["parameters"] = {"shared_memory_region": wanted.shm_region,
+        if wanted.shm is not None:
+            wanted.shm.write(array)
+            entry["parameters"] = {"shared_memory_region": wanted.shm.region,
                                    "shared_memory_byte_size": array.nbytes}
         elif wanted.binary if wanted.binary is not None else request.binary_output:
             entry["parameters"] = {"binary_data_size": array.nbytes}

@@ -125,6 +125,11 @@ def _decode_brotli(raw: bytes, limit: int) -> bytes:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+# Received pieces smaller than this are joined: a normal client's pieces are 64 KiB to several
+# hundred KiB and stay views; a trickling client's are joined into pieces of at least this size.
+_SMALL_PIECE_BYTES = 64 * 1024
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
@@ -260,8 +265,9 @@ class InferenceServer:
         if self._token is not None and request.path not in _OPEN_PATHS:
             supplied = request.headers.get("Authorization", "")
             scheme, _, credential = supplied.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(),
-                                                                     self._token):
+            # aiohttp hands undecodable header bytes over as surrogates: compare the raw bytes.
+            supplied_bytes = credential.strip().encode("utf-8", "surrogateescape")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(supplied_bytes, self._token):
                 return web.json_response({"error": "missing or wrong bearer token"}, status=401,
                                          headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
@@ -298,8 +304,10 @@ class InferenceServer:
     async def _expect(self, request: web.Request) -> web.Response | None:
         """``Expect: 100-continue``: a body over the limit is refused before the client sends
         it (aiohttp's default answers 100 Continue whatever the size)."""
-        if request.headers.get("Expect", "").lower() != "100-continue":
-            raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers['Expect']}")
+        # aiohttp calls this before the middlewares, so errors are answered here, as JSON.
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            return _error(417, f"unsupported Expect header (only 100-continue): {ascii(expect)}")
         length = request.content_length
         if length is not None and length > self._max_body_bytes:
             return _error(413, f"request body too large (limit={self._max_body_bytes}, "
@@ -397,8 +405,8 @@ class InferenceServer:
             raise NotServing("model is not ready", model=service.name)
         try:
             body = await self._read_body(request)
-        except RequestError:
-            service.rejected("invalid")
+        except (RequestError, web.HTTPRequestEntityTooLarge, RequestPayloadError):
+            service.rejected("invalid")  # counted like any refused request (chunked too large)
             raise
         metrics.inflight(1)
         try:
@@ -415,7 +423,7 @@ class InferenceServer:
                 raise
             result = await future
             payload, headers = encode_response(decoded, result.outputs, model_name=service.name,
-                                               model_version=str(service.version), shm=self.shm)
+                                               model_version=str(service.version))
         finally:
             metrics.inflight(-1)
         metrics.observe_request(time.perf_counter() - started)
@@ -449,6 +457,7 @@ class InferenceServer:
             raise RequestError("request body too large", status=413, limit=self._max_body_bytes,
                                found=length)
         pieces: list[bytes] = []
+        small = bytearray()  # consecutive small pieces, joined as they arrive
         received = 0
         content = request.content
         while received < length:
@@ -459,7 +468,17 @@ class InferenceServer:
             if received > length:
                 raise RequestError("request body longer than its Content-Length",
                                    expected=length)
-            pieces.append(chunk)
+            if len(chunk) >= _SMALL_PIECE_BYTES and not small:
+                pieces.append(chunk)
+                continue
+            # A client that trickles its body (a byte per TCP segment) would otherwise leave one
+            # piece per segment: hundreds of thousands of objects, and views of each to decode.
+            small += chunk
+            if len(small) >= _SMALL_PIECE_BYTES:
+                pieces.append(bytes(small))
+                small.clear()
+        if small:
+            pieces.append(bytes(small))
         return Body(pieces)
 
     # -- system shared memory -----------------------------------------------------------

@@ -90,6 +90,34 @@ class SharedMemoryArray(DeferredArray):
                 f"dtype={self.dtype})")
 
 
+class SharedMemoryTarget:
+    """Where an output tensor goes: a span of a region, taken when the request is decoded. It
+    holds the region's open file, so unregistering the region while the request runs does not
+    turn a computed answer into an error."""
+
+    __slots__ = ("_region", "_start", "byte_size")
+
+    def __init__(self, region: _Region, start: int, byte_size: int) -> None:
+        self._region = region
+        self._start = start
+        self.byte_size = byte_size
+
+    @property
+    def region(self) -> str:
+        return self._region.name
+
+    def write(self, data: np.ndarray) -> None:
+        """Write ``data`` (at most ``byte_size`` bytes) at the span's start."""
+        if data.nbytes > self.byte_size:
+            raise RequestError("output does not fit its shared memory region",
+                               region=self._region.name, needed=data.nbytes, found=self.byte_size)
+        self._region.check_size(self._start + data.nbytes)
+        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+        done = 0
+        while done < len(view):
+            done += os.pwritev(self._region.file.fd, [view[done:]], self._start + done)
+
+
 class SystemSharedMemory:
     """Registered regions by name (thread-safe)."""
 
@@ -163,9 +191,11 @@ class SystemSharedMemory:
         region.check_size(start + byte_size)
         return region, start
 
-    def check(self, name: str, offset: int, byte_size: int) -> None:
-        """Refuse a tensor of ``byte_size`` at ``offset`` that the region cannot hold now."""
-        self._span(name, offset, byte_size)
+    def target(self, name: str, offset: int, byte_size: int) -> SharedMemoryTarget:
+        """The span of ``byte_size`` bytes at ``offset`` in a region, for an output; refused when
+        the region cannot hold it now."""
+        region, start = self._span(name, offset, byte_size)
+        return SharedMemoryTarget(region, start, byte_size)
 
     def array(self, name: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]
               ) -> SharedMemoryArray:
@@ -174,13 +204,6 @@ class SystemSharedMemory:
         byte_size = math.prod(shape) * dtype.itemsize
         region, start = self._span(name, offset, byte_size)
         return SharedMemoryArray(region, start, dtype, shape)
-
-    def write(self, name: str, offset: int, data: np.ndarray) -> None:
-        region, start = self._span(name, offset, data.nbytes)
-        view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-        done = 0
-        while done < len(view):
-            done += os.pwritev(region.file.fd, [view[done:]], start + done)
 
     def close(self) -> None:
         self.unregister(None)
