@@ -256,6 +256,7 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
         installer = Daemon(config)
         try:
             artifacts = installer.install(options.bundle)
+            installer.make_current(artifacts)
         finally:
             installer.close()  # the daemon process below takes the state directory
         manifest = dict(artifacts.manifest)

@@ -40,7 +40,7 @@ import re
 import socket
 import stat
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, get_type_hints
@@ -620,6 +620,7 @@ def load_config(
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, object] | None = None,
+    extra_public_keys: Sequence[Path] = (),
 ) -> AgentConfig:
     """Read, layer and validate the configuration; read the token file and the trusted keys.
 
@@ -630,6 +631,7 @@ def load_config(
         env: The environment (default ``os.environ``); ``EDGE_AGENT_*`` variables override keys.
         overrides: Dotted keys to values, from command-line flags; they win over everything. A
             string is parsed as environment text is; other values must have the key's type.
+        extra_public_keys: Trusted keys added to ``trust.public_keys`` (``--pubkey``).
 
     Returns:
         The validated configuration, with ``http.token`` and ``trust.keys`` loaded.
@@ -656,6 +658,12 @@ def load_config(
         http=_load_token(config.http, origins.get("http.token_file")),
         trust=_load_keys(config.trust, origins.get("trust.public_keys")),
     )
+    if extra_public_keys:
+        extra = _load_keys(dataclasses.replace(config.trust, public_keys=tuple(
+            map(Path, extra_public_keys))), {"source": "--pubkey"})
+        config = dataclasses.replace(config, trust=dataclasses.replace(
+            config.trust, public_keys=(*config.trust.public_keys, *extra.public_keys),
+            keys=(*config.trust.keys, *extra.keys)))
     if config.http.token is None and not _is_loopback(config.http.host):
         log.warning(
             "the inference API listens on %s without a bearer token (http.token_file)",

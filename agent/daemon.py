@@ -48,7 +48,12 @@ def batch_policy(config: AgentConfig, artifacts: ModelArtifacts) -> BatchPolicy:
     serving = config.serving
     max_batch = min(serving.max_batch_size, artifacts.max_batch)
     preferred = tuple(size for size in serving.preferred_batch_sizes if size <= max_batch)
-    if not serving.preferred_batch_sizes and 1 < artifacts.opt_batch < max_batch:
+    dropped = [size for size in serving.preferred_batch_sizes if size > max_batch]
+    if dropped:
+        log.warning("serving.preferred_batch_sizes %s exceed the largest batch %d (the bundle's "
+                    "max_batch %d, serving.max_batch_size %d): not used", dropped, max_batch,
+                    artifacts.max_batch, serving.max_batch_size)
+    if not preferred and 1 < artifacts.opt_batch < max_batch:
         preferred = (artifacts.opt_batch,)
     return BatchPolicy(
         max_batch_size=max_batch,
@@ -96,15 +101,20 @@ def warmup_shape(artifacts: ModelArtifacts, backend: Backend) -> dict[str, tuple
     return shapes
 
 
-def warm_up(backend: Backend, artifacts: ModelArtifacts, batches: int, batch_size: int) -> float:
-    """Run a few batches of zeros so the first real request does not pay for lazy setup."""
+def warm_up(backend: Backend, artifacts: ModelArtifacts, batches: int, batch_size: int,
+            stop_requested: Callable[[], bool] | None = None) -> float:
+    """Run a few batches of zeros so the first real request does not pay for lazy setup; a stop
+    request ends it between batches (``StopRequested``)."""
     shapes = warmup_shape(artifacts, backend)
     if shapes is None or batches <= 0:
         return 0.0
     started = time.perf_counter()
     inputs = {info.name: np.zeros((batch_size, *shapes[info.name]), dtype=info.dtype)
               for info in backend.inputs}
-    for _ in range(batches):
+    for done in range(batches):
+        if stop_requested is not None and stop_requested():
+            raise StopRequested("stopped while warming up", model=artifacts.name,
+                                batches_done=done)
         backend.infer(inputs)
     return time.perf_counter() - started
 
@@ -128,7 +138,7 @@ def start_backends(config: AgentConfig, artifacts: ModelArtifacts, policy: Batch
             backend.activate()
             seconds = warm_up(backend, artifacts, config.serving.warmup_batches,
                               policy.preferred_batch_sizes[-1] if policy.preferred_batch_sizes
-                              else 1)
+                              else 1, stop_requested)
             log.info("instance %d of %s v%d ready (%s, warm-up %.2f s)", len(backends),
                      artifacts.name, artifacts.version, name, seconds)
     except BaseException:
@@ -158,13 +168,17 @@ class Daemon:
         self._stop_requested.set()
 
     def install(self, bundle: Path) -> ModelArtifacts:
-        """Verify and install a bundle and make it current (``serve --bundle``). Versions
-        beyond ``store.keep_versions`` are deleted before (to make room) and after."""
+        """Verify and install a bundle (``serve --bundle``); :meth:`start` given the result makes
+        it current once it serves. Versions beyond ``store.keep_versions`` are deleted first, to
+        make room."""
         self._collect_garbage()
-        artifacts = self.store.install(bundle)
+        return self.store.install(bundle)
+
+    def make_current(self, artifacts: ModelArtifacts) -> None:
+        """Activate an installed version, then delete versions beyond ``store.keep_versions``."""
         self.store.activate(artifacts.name, artifacts.version)
+        log.info("%s v%d is current", artifacts.name, artifacts.version)
         self._collect_garbage()
-        return artifacts
 
     def _collect_garbage(self) -> None:
         try:
@@ -176,9 +190,11 @@ class Daemon:
         """Let go of the state directory."""
         self.store.close()
 
-    async def start(self) -> int:
-        """Load the current model and start the HTTP API; returns the port."""
-        current = self.store.current()
+    async def start(self, candidate: ModelArtifacts | None = None) -> int:
+        """Load the current model, or ``candidate`` (an installed version), and start the HTTP
+        API; returns the port. A candidate becomes current only once it serves: one whose model
+        does not load (a broken ONNX, a backend this device lacks) leaves current as it was."""
+        current = candidate or self.store.current()
         if current is None:
             raise StoreError("no model installed: install a bundle with "
                              "'edge-agent serve --bundle B --pubkey PUB'",
@@ -201,11 +217,16 @@ class Daemon:
             shm_root=self.shm_root, access_log=http.access_log)
         service.start()
         try:
-            return await self.server.start()
+            if self._stop_requested.is_set():  # asked to stop while the instances started
+                raise StopRequested("stopped before serving", model=artifacts.name)
+            port = await self.server.start()
         except BaseException:
             await service.stop(drain=False)
             self._free()
             raise
+        if candidate is not None:
+            self.make_current(artifacts)
+        return port
 
     async def stop(self, *, timeout_s: float = 30.0) -> None:
         if self.server is not None:
@@ -238,13 +259,14 @@ def check_can_listen(host: str, port: int) -> None:
 def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
                on_ready: Callable[[int], Any] | None = None) -> int:
     """Run in the foreground until SIGTERM/SIGINT; returns the exit status."""
-    if bundle is not None:
-        # A busy port would only be found after the bundle became current: look first.
-        check_can_listen(config.http.host, config.http.port)
+    # A busy port would only be found once the model has loaded (minutes, when a TensorRT
+    # engine is built first): look now.
+    check_can_listen(config.http.host, config.http.port)
     daemon = Daemon(config)
+    candidate = None
     if bundle is not None:
-        artifacts = daemon.install(bundle)
-        log.info("installed %s v%d from %s", artifacts.name, artifacts.version, bundle)
+        candidate = daemon.install(bundle)
+        log.info("installed %s v%d from %s", candidate.name, candidate.version, bundle)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -256,12 +278,23 @@ def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal)
+        # SIGHUP (a closed terminal, or an operator expecting a reload) would kill the daemon
+        # outright, dropping queued requests: there is nothing to reload, so it is ignored.
+        loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(
+            "SIGHUP ignored: the daemon does not reload its configuration; restart it instead"))
         try:
-            port = await daemon.start()
+            port = await daemon.start(candidate)
         except StopRequested as exc:
             log.info("stopped while starting: %s", exc)
             daemon.close()
             return
+        except AgentError:
+            if candidate is not None:
+                current = daemon.store.current()
+                log.error("%s v%d is installed but was not made current, since it could not be "
+                          "served; current is still %s", candidate.name, candidate.version,
+                          f"{current.name} v{current.version}" if current else "none")
+            raise
         if on_ready is not None:
             on_ready(port)
         await stop.wait()

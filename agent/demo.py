@@ -201,7 +201,7 @@ def run_demo(options: DemoOptions) -> int:
     input_name = artifacts.manifest["inputs"][0]["name"]
 
     async def main() -> dict[str, Any]:
-        port = await daemon.start()
+        port = await daemon.start(artifacts)  # current once it serves
         base = f"http://127.0.0.1:{port}"
         print(f"daemon serving KServe v2 on {base}")
         try:

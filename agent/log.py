@@ -34,12 +34,13 @@ def configure_logging(verbosity: int = 0) -> None:
 
     Args:
         verbosity: 0 logs warnings and info from this project, 1 adds debug, -1 keeps only errors.
-            ``EDGE_AGENT_LOG_LEVEL`` (a level name) overrides it.
+            Without a flag (0), ``EDGE_AGENT_LOG_LEVEL`` (a level name) sets the level: the
+            command line wins over the environment, as for every setting.
     """
     global _configured
     if _configured:
         return
-    level_name = os.environ.get("EDGE_AGENT_LOG_LEVEL")
+    level_name = os.environ.get("EDGE_AGENT_LOG_LEVEL") if verbosity == 0 else None
     if level_name:
         level = logging.getLevelName(level_name.upper())
         if not isinstance(level, int):

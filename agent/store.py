@@ -384,6 +384,8 @@ class ModelStore:
         self._release()
 
     def _open(self) -> None:
+        if self.state_dir.exists() and not self.state_dir.is_dir():
+            raise StoreError("the state directory is not a directory", path=self.state_dir)
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -619,11 +621,13 @@ def _lock_state_dir(state_dir: Path) -> str:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             writable = True
-        except OSError:
+        except OSError as first:
             try:  # a read-only disk: lock what is there, write nothing
                 fd, writable = os.open(path, os.O_RDONLY), False
-            except OSError as exc:
-                log.warning("cannot lock the state directory (%s); not guarding it", exc.strerror)
+            except OSError:
+                # The first failure says why (permission denied), not the fallback's (no file).
+                log.warning("cannot lock the state directory (%s); not guarding it",
+                            first.strerror)
                 _held[key] = [-1, 1]
                 return key
         try:

@@ -118,7 +118,10 @@ def test_serve_refuses_a_model_corrupted_on_disk(tmp_path: Path,
 
     config = load_config(None, env={}, overrides={"state_dir": state,
                                                   "trust.public_keys": [public_key]})
-    artifacts = Daemon(config).install(bundle)
+    installer = Daemon(config)
+    artifacts = installer.install(bundle)
+    installer.store.activate(artifacts.name, artifacts.version)
+    installer.close()
     model = artifacts.directory / "model.onnx"
     model.chmod(0o644)
     data = bytearray(model.read_bytes())
@@ -282,7 +285,7 @@ def test_installing_keeps_only_keep_versions_on_disk(tmp_path: Path,
     try:
         for version in (1, 2, 3, 4):
             bundle, _ = make_bundle(tmp_path, version=version, key=key)
-            daemon.install(bundle)
+            daemon.make_current(daemon.install(bundle))
         assert daemon.store.versions("tiny") == [3, 4]  # current and previous
     finally:
         daemon.close()
@@ -318,11 +321,12 @@ def test_sigterm_while_starting_ends_the_start_and_frees_the_store(
     ready: list[int] = []
     assert daemon_module.run_daemon(config, bundle=bundle, on_ready=ready.append) == 0
     assert seen == [True] and ready == []  # it never served
-    # The state directory is free again, and the installed model is intact.
+    # The state directory is free again, and the installed model is intact, but not current:
+    # a version becomes current once it serves.
     store = ModelStore(state_dir, trusted_keys=config.trust.keys)
     try:
-        current = store.current()
-        assert current is not None and store.load(current.name, current.version)
+        assert store.current() is None
+        assert store.versions("tiny") == [1] and store.load("tiny", 1)
     finally:
         store.close()
 
@@ -391,3 +395,192 @@ def test_bench_serve_frames_default_to_224_or_the_profiles_optimum(profile, expe
     from agent.bench_serve import _default_size
 
     assert _default_size({"engine_profile": profile}) == expected
+
+
+# -- found by probing the daemon's lifecycle -------------------------------------------------
+
+
+def _config(tmp_path: Path, public_key: Path, **overrides: Any) -> Any:
+    from agent.config import load_config
+
+    return load_config(None, env={}, overrides={"state_dir": tmp_path / "state", "http.port": 0,
+                                                "trust.public_keys": [public_key], **overrides})
+
+
+def _junk_model_bundle(directory: Path, key: Any, version: int) -> Path:
+    """A correctly signed bundle whose model.onnx ONNX Runtime cannot load."""
+    from models.bundle import pack_bundle
+    from tests.tiny_models import tiny_manifest
+
+    junk = directory / f"junk-{version}.onnx"
+    junk.write_bytes(b"not an onnx model" * 64)
+    bundle = directory / f"tiny-{version}.bundle"
+    pack_bundle(bundle, tiny_manifest("tiny", version), {"model.onnx": junk}, key)
+    return bundle
+
+
+def test_a_bundle_whose_model_does_not_load_does_not_become_current(
+        tmp_path: Path, signed: tuple[Path, Path, Any], caplog: pytest.LogCaptureFixture) -> None:
+    from agent.daemon import Daemon, run_daemon
+    from agent.errors import AgentError
+
+    bundle, public_key, key = signed
+    config = _config(tmp_path, public_key)
+    first = Daemon(config)
+    first.make_current(first.install(bundle))
+    first.close()
+    broken = _junk_model_bundle(tmp_path, key, version=5)
+    with pytest.raises(AgentError):
+        run_daemon(config, bundle=broken)
+    assert "tiny v5 is installed but was not made current" in caplog.text
+    assert "current is still tiny v1" in caplog.text
+    # A plain restart still serves the version that worked.
+    ready: list[int] = []
+
+    def stop_once_ready(port: int) -> None:
+        ready.append(port)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    assert run_daemon(config, on_ready=stop_once_ready) == 0 and ready
+
+
+def test_sighup_neither_kills_nor_stops_the_daemon(tmp_path: Path,
+                                                   signed: tuple[Path, Path, Any]) -> None:
+    bundle, public_key, _ = signed
+    port = free_port()
+    process = serve("--bundle", str(bundle), "--pubkey", str(public_key), "--state-dir",
+                    str(tmp_path / "state"), "--http-port", str(port))
+    try:
+        wait_ready(port, process)
+        process.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert process.poll() is None
+        infer(port, tmp_path)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=30)[0].decode()
+    assert process.returncode == 0, output
+    assert "SIGHUP ignored" in output
+
+
+def test_a_busy_port_is_found_before_the_model_loads(
+        tmp_path: Path, signed: tuple[Path, Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent import daemon as daemon_module
+    from agent.errors import AgentError
+
+    bundle, public_key, _ = signed
+    config = _config(tmp_path, public_key)
+    first = daemon_module.Daemon(config)
+    first.make_current(first.install(bundle))
+    first.close()
+    started: list[bool] = []
+    monkeypatch.setattr(daemon_module, "start_backends",
+                        lambda *args, **kwargs: started.append(True))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = _config(tmp_path, public_key, **{"http.port": taken.getsockname()[1]})
+        with pytest.raises(AgentError, match="cannot listen for HTTP"):
+            daemon_module.run_daemon(busy)  # no --bundle: the plain restart case
+    assert not started
+
+
+def test_a_stop_during_warm_up_ends_it_between_batches(tmp_path: Path,
+                                                       signed: tuple[Path, Path, Any]) -> None:
+    from agent.daemon import start_backends
+    from agent.errors import StopRequested
+
+    bundle, public_key, _ = signed
+    config = _config(tmp_path, public_key, **{"serving.warmup_batches": 100000})
+    from agent.daemon import Daemon, batch_policy
+
+    daemon = Daemon(config)
+    try:
+        artifacts = daemon.install(bundle)
+        calls = []
+
+        def stop_after_a_few() -> bool:
+            calls.append(1)
+            return len(calls) > 5
+
+        started = time.monotonic()
+        with pytest.raises(StopRequested, match="stopped while warming up"):
+            start_backends(config, artifacts, batch_policy(config, artifacts), stop_after_a_few)
+        assert time.monotonic() - started < 10
+    finally:
+        daemon.close()
+
+
+def test_preferred_batch_sizes_beyond_the_bundle_are_named_and_the_optimum_kept(
+        tmp_path: Path, signed: tuple[Path, Path, Any], caplog: pytest.LogCaptureFixture) -> None:
+    from agent.daemon import Daemon, batch_policy
+
+    bundle, public_key, _ = signed
+    config = _config(tmp_path, public_key, **{"serving.max_batch_size": 64,
+                                              "serving.preferred_batch_sizes": [48, 64]})
+    daemon = Daemon(config)
+    try:
+        artifacts = daemon.install(bundle)
+        policy = batch_policy(config, artifacts)
+    finally:
+        daemon.close()
+    assert policy.max_batch_size == artifacts.max_batch
+    expected = (artifacts.opt_batch,) if 1 < artifacts.opt_batch < artifacts.max_batch else ()
+    assert policy.preferred_batch_sizes == expected
+    assert "serving.preferred_batch_sizes [48, 64] exceed the largest batch" in caplog.text
+
+
+def test_the_command_line_log_flags_beat_the_environment() -> None:
+    env = {**clean_env(), "EDGE_AGENT_LOG_LEVEL": "debug"}
+    quiet = subprocess.run([sys.executable, "-c", (
+        "import logging; from agent.log import configure_logging; configure_logging(-1); "
+        "print(logging.getLogger('agent').level)")], capture_output=True, text=True, env=env,
+        timeout=60, check=True)
+    assert quiet.stdout.strip() == str(logging_level("ERROR"))
+    plain = subprocess.run([sys.executable, "-c", (
+        "import logging; from agent.log import configure_logging; configure_logging(0); "
+        "print(logging.getLogger('agent').level)")], capture_output=True, text=True, env=env,
+        timeout=60, check=True)
+    assert plain.stdout.strip() == str(logging_level("DEBUG"))
+
+
+def logging_level(name: str) -> int:
+    import logging
+
+    return int(logging.getLevelName(name))
+
+
+def test_a_state_directory_that_is_a_file_is_named_as_such(tmp_path: Path) -> None:
+    from agent.errors import StoreError
+    from agent.store import ModelStore
+
+    not_a_dir = tmp_path / "state"
+    not_a_dir.write_text("")
+    with pytest.raises(StoreError, match="the state directory is not a directory"):
+        ModelStore(not_a_dir, trusted_keys=[])
+
+
+def test_sigterm_while_serve_installs_a_bundle_unwinds_it(tmp_path: Path,
+                                                          signed: tuple[Path, Path, Any]) -> None:
+    # systemctl stop during `serve --bundle`'s install: the install's staging directory goes,
+    # and the exit says so (it was killed outright, leaving the extraction behind).
+    bundle, public_key, _ = signed
+    state = tmp_path / "state"
+    script = (
+        "import os, signal, sys, time\n"
+        "import models.bundle as bundle\n"
+        "real = bundle.VerifiedBundle._write_members\n"
+        "def slow(self, staging):\n"
+        "    real(self, staging)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "bundle.VerifiedBundle._write_members = slow\n"
+        "from agent.cli import main\n"
+        f"sys.exit(main(['serve', '--bundle', {str(bundle)!r}, '--pubkey', {str(public_key)!r},"
+        f" '--state-dir', {str(state)!r}, '--http-port', '0']))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, env=clean_env(), check=False)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert "edge-agent: terminated" in result.stderr
+    leftovers = [path.name for path in (state / "models").rglob("*") if "extract" in path.name]
+    assert leftovers == []

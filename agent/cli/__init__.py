@@ -67,9 +67,10 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 # Commands whose work (staging directories, temporary stores) is cleaned up on the way out: a
-# SIGTERM (systemd, a CI timeout, kill) unwinds them as Ctrl-C does. serve and demo handle
-# SIGTERM themselves, by draining.
-_UNWIND_ON_SIGTERM = ("build", "bench", "bundle", "train")
+# SIGTERM (systemd, a CI timeout, kill) unwinds them as Ctrl-C does. serve does too while it
+# installs a bundle, then handles SIGTERM itself, by draining, once its event loop runs; demo
+# handles it throughout.
+_UNWIND_ON_SIGTERM = ("build", "bench", "bundle", "train", "serve")
 
 
 class Terminated(KeyboardInterrupt):

@@ -51,12 +51,8 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 def load_with_keys(args: argparse.Namespace) -> Any:
     from agent.config import load_config
 
-    config = load_config(args.config, overrides=overrides_from(args))
-    if args.pubkey:
-        keys = (*config.trust.public_keys, *args.pubkey)
-        config = load_config(args.config,
-                             overrides={**overrides_from(args), "trust.public_keys": keys})
-    return config
+    return load_config(args.config, overrides=overrides_from(args),
+                       extra_public_keys=args.pubkey or ())
 
 
 def run_serve(args: argparse.Namespace) -> int:
