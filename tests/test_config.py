@@ -642,6 +642,24 @@ def test_a_private_key_as_trusted_key_is_refused(tmp_path: Path) -> None:
     assert "private key" in error.message
 
 
+def test_pubkey_keys_are_added_to_the_files_in_one_load(tmp_path: Path, caplog) -> None:
+    keys_dir = tmp_path / "keys"
+    keys_dir.mkdir()
+    release = write_keypair(keys_dir / "release")
+    extra = write_keypair(keys_dir / "extra")
+    path = write_config(tmp_path, '[trust]\npublic_keys = ["keys/release.pub"]\n'
+                                  '[http]\nhost = "0.0.0.0"\n')
+    with caplog.at_level(logging.WARNING, logger="agent.config"):
+        config = load_config(path, env={}, extra_public_keys=[keys_dir / "extra.pub"])
+    assert [compute_key_id(key) for key in config.trust.keys] == [
+        compute_key_id(release.public_key()), compute_key_id(extra.public_key())]
+    assert len([r for r in caplog.records if "without a bearer token" in r.getMessage()]) == 1
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(path, env={}, extra_public_keys=[tmp_path / "missing.pub"])
+    assert excinfo.value.fields["source"] == "--pubkey"
+    assert "config_line" not in excinfo.value.fields
+
+
 def test_a_missing_trusted_key_is_refused(tmp_path: Path) -> None:
     path = write_config(tmp_path, '[trust]\npublic_keys = ["/nonexistent/release.pub"]\n')
     error = config_error(path=path)
