@@ -58,6 +58,11 @@ class NotServing(AgentError):
     """The batcher is stopped or stopping (HTTP 503)."""
 
 
+# Triton's request timeout is an unsigned 64-bit count of microseconds.
+MAX_TIMEOUT_US = 2**64 - 1
+CANDIDATE_SCAN = 1024  # queued requests looked at to form the next batches
+
+
 @dataclass(frozen=True)
 class BatchPolicy:
     """Batching settings for one model (``[serving]`` in the configuration)."""
@@ -107,10 +112,10 @@ class LoadSnapshot:
     """What the power governor watches."""
 
     queue_depth: int
-    busy_instances: int
+    busy_instances: int  # instances running a batch (or with one staged next to run)
     instances: int
     arrivals_total: int
-    completed_total: int
+    completed_total: int  # requests answered, whatever the outcome: arrivals minus this is load
     batches_total: int
     mean_batch_compute_s: float  # recent (exponentially weighted)
 
@@ -136,6 +141,8 @@ class _Request:
     deadline: float | None
     future: asyncio.Future[InferenceResult]
     sequence: int = 0
+    started: bool = False  # its batch began to run (set by the run thread)
+    timer: asyncio.TimerHandle | None = None  # answers a deadline passed while it is staged
 
 
 @dataclass(eq=False)
@@ -145,7 +152,7 @@ class _Instance:
     stage_pool: ThreadPoolExecutor
     run_pool: ThreadPoolExecutor
     outstanding: int = 0  # batches staged or running
-    running: bool = False
+    running: int = 0  # batches past staging: running, or next to run
     retired: bool = False
 
 
@@ -264,10 +271,11 @@ class Batcher:
         if not self._accepting:
             raise NotServing("server is not accepting requests")
         policy = self.policy
-        level = policy.default_priority_level if priority in (None, 0) else int(priority)
-        if not 1 <= level <= policy.priority_levels:
-            raise InputError("priority out of range", expected=f"1..{policy.priority_levels}",
-                             found=priority)
+        level = int(priority or 0)
+        if level < 0:
+            raise InputError("priority must be >= 0", found=priority)
+        if level == 0 or level > policy.priority_levels:  # as Triton: the default level
+            level = policy.default_priority_level
         sizes = {int(array.shape[0]) for array in inputs.values()}
         if len(sizes) != 1:
             raise InputError("inputs disagree on the batch size", found=sorted(sizes))
@@ -279,8 +287,9 @@ class Batcher:
             raise QueueFull("request queue is full", limit=policy.max_queue_size)
         now = time.monotonic()
         timeout = int(timeout_us or policy.default_timeout_us)
-        if timeout < 0:
-            raise InputError("timeout must be >= 0 microseconds", found=timeout_us)
+        if not 0 <= timeout <= MAX_TIMEOUT_US:
+            raise InputError(f"timeout must be from 0 to {MAX_TIMEOUT_US} microseconds",
+                             found=timeout_us)
         if policy.default_timeout_us:  # as Triton's allow_timeout_override: only shorter
             timeout = min(timeout, policy.default_timeout_us)
         future: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
@@ -311,7 +320,7 @@ class Batcher:
     def load(self) -> LoadSnapshot:
         return LoadSnapshot(
             queue_depth=self._queued,
-            busy_instances=sum(1 for instance in self._instances if instance.running),
+            busy_instances=sum(1 for instance in self._instances if instance.running > 0),
             instances=len(self._instances),
             arrivals_total=self._counters.arrivals,
             completed_total=self._counters.completed,
@@ -352,27 +361,40 @@ class Batcher:
             self._expire(now)
             if not self._queued:
                 return None
-            batch, total = self._candidate()
-            oldest = min(batch, key=lambda request: request.arrival)
+            candidates = self._candidates()
+            batch, total = candidates[0]
             full = total >= self.max_batch_size
             idle = next((i for i in self._instances if not i.retired and i.outstanding == 0), None)
             if idle is not None:
-                due = oldest.arrival + self.policy.max_queue_delay_us / 1e6
+                due = self._due(batch)
                 if full or now >= due or not self._accepting:
                     self._launch(idle, batch)
                 elif preferred := self._preferred_prefix(batch):
                     self._launch(idle, preferred)
                 elif self._waiting_is_futile(batch, now, due):
                     self._launch(idle, batch)
+                elif other := next((group for group, size in candidates[1:]
+                                    if size >= self.max_batch_size or now >= self._due(group)),
+                                   None):
+                    # The first batch waits for company; one of other frames is ready, as in
+                    # Triton (a request of another shape sends the pending batch).
+                    self._launch(idle, other)
                 else:
-                    return self._until_next_deadline(due - now, now)
+                    wait_s = min(self._due(group) for group, _ in candidates) - now
+                    return self._until_next_deadline(wait_s, now)
                 continue
             spare = next((i for i in self._instances
                           if not i.retired and i.outstanding < self._buffer_sets), None)
-            if spare is not None and full:
-                self._launch(spare, batch)
+            ready = next((group for group, size in candidates if size >= self.max_batch_size),
+                         None)
+            if spare is not None and ready is not None:
+                self._launch(spare, ready)
                 continue
             return self._until_next_deadline(None, now)
+
+    def _due(self, batch: list[_Request]) -> float:
+        """When ``batch``'s oldest request has waited ``max_queue_delay_us``."""
+        return min(request.arrival for request in batch) + self.policy.max_queue_delay_us / 1e6
 
     def _waiting_is_futile(self, batch: list[_Request], now: float, due: float) -> bool:
         """Whether waiting until ``due`` for company would only add latency (adaptive_delay: no
@@ -399,19 +421,19 @@ class Batcher:
             wait_s = until if wait_s is None else min(wait_s, until)
         return wait_s
 
-    def _candidate(self) -> tuple[list[_Request], int]:
-        """The next batch: the first request by priority and arrival, then every compatible
-        request in the same order until the batch is full."""
-        ordered = (request for queue in self._queues for request in queue)
-        first = next(ordered)
-        batch, total = [first], first.batch_size
-        for request in ordered:
-            if total >= self.max_batch_size:
-                break
-            if request.shape_key == first.shape_key and total + request.batch_size <= self.max_batch_size:
+    def _candidates(self) -> list[tuple[list[_Request], int]]:
+        """The next batch for each frame shape waiting, with its sample count, in the order of
+        each shape's first request by priority and arrival: that request, then every request of
+        its shape in the same order that still fits."""
+        groups: dict[Any, tuple[list[_Request], int]] = {}
+        requests = (request for queue in self._queues for request in queue)
+        # Bounded: at a deep queue, shapes first seen further back wait for the ones ahead.
+        for request in itertools.islice(requests, CANDIDATE_SCAN):
+            batch, total = groups.get(request.shape_key, ([], 0))
+            if total + request.batch_size <= self.max_batch_size:
                 batch.append(request)
-                total += request.batch_size
-        return batch, total
+                groups[request.shape_key] = (batch, total + request.batch_size)
+        return list(groups.values())
 
     def _preferred_prefix(self, batch: list[_Request]) -> list[_Request] | None:
         """The longest leading run of ``batch`` (in priority and arrival order) whose samples
@@ -449,6 +471,16 @@ class Batcher:
         if self._queued != queued:
             self._report_depth()
 
+    @staticmethod
+    def _timed_out_while_staged(request: _Request) -> None:
+        """Answer a request whose deadline passed before its batch began to run, at once (its
+        rows still run with the batch; it is counted when the batch finishes)."""
+        if request.started or request.future.done():
+            return
+        request.future.set_exception(DeadlineExceeded(
+            "request timed out before its batch ran",
+            waited_ms=round((time.monotonic() - request.arrival) * 1e3, 3)))
+
     def _fail_queued(self, error: AgentError) -> None:
         for queue in self._queues:
             while queue:
@@ -466,17 +498,24 @@ class Batcher:
         self._queued -= len(batch)
         self._report_depth()
         instance.outstanding += 1
-        task = asyncio.get_running_loop().create_task(self._execute(instance, batch))
+        loop = asyncio.get_running_loop()
+        for request in batch:  # staged behind a running batch, a request may pass its deadline
+            if request.deadline is not None:
+                request.timer = loop.call_later(max(0.0, request.deadline - time.monotonic()),
+                                                self._timed_out_while_staged, request)
+        task = loop.create_task(self._execute(instance, batch))
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)
 
     async def _execute(self, instance: _Instance, batch: list[_Request]) -> None:
         loop = asyncio.get_running_loop()
         staged = None
+        counted = False
         try:
             staged, failed = await loop.run_in_executor(instance.stage_pool, _stage,
                                                         instance.backend, batch)
-            instance.running = True
+            instance.running += 1
+            counted = True
             outputs, run_started, compute_s = await loop.run_in_executor(
                 instance.run_pool, _run_and_split, instance.backend, staged, batch)
         except Exception as exc:  # the batch's requests get the error, not the loop
@@ -491,7 +530,8 @@ class Batcher:
         finally:
             if staged is not None:
                 staged.release()
-            instance.running = False
+            if counted:
+                instance.running -= 1
             instance.outstanding -= 1
             self._poke()
         samples = sum(request.batch_size for request in batch)
@@ -520,8 +560,13 @@ class Batcher:
                 error: BaseException | None = None) -> None:
         if request.future.cancelled():  # its client went away while the batch ran
             outcome, result, error = "cancelled", None, None
-        if outcome == "success":
-            self._counters.completed += 1
+        if request.timer is not None:
+            request.timer.cancel()
+        if (outcome != "cancelled" and request.future.done() and not request.future.cancelled()
+                and isinstance(request.future.exception(), DeadlineExceeded)):
+            # Answered as timed out while staged: counted as the client saw it.
+            outcome, result, error = "timeout", None, None
+        self._counters.completed += 1
         if not request.future.done():
             if error is not None:
                 request.future.set_exception(error)
@@ -574,6 +619,8 @@ def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]
     """Run a staged batch and cut the outputs into owned per-request arrays (worker thread).
     Also returns when the run began and the compute time, measured here so that a staged
     batch's wait for the running one counts as queue time, not compute."""
+    for request in batch:
+        request.started = True  # from now on its deadline waits for the result
     started = time.monotonic()
     outputs = backend.run(staged)
     compute_s = time.monotonic() - started

@@ -824,3 +824,17 @@ def test_a_nan_literal_is_named_without_a_hint_about_binary_tensors(server: Serv
     message = json.loads(payload)["error"]
     assert code == 400 and "NaN is not a JSON number" in message
     assert "Inference-Header-Content-Length" not in message
+
+
+def test_a_timeout_beyond_triton_s_uint64_is_a_counted_400(model_path: Path) -> None:
+    running = ServerThread([backend(model_path)], BatchPolicy(max_batch_size=4))
+    try:
+        data = frames(1, seed=15)
+        body = ('{"parameters": {"timeout": 1' + "0" * 400 + '}, "inputs": [{"name": "input", '
+                f'"shape": {list(data.shape)}, "datatype": "FP32", '
+                f'"data": {data.ravel().tolist()}}}]}}').encode()
+        code, _, payload = post(running, "/v2/models/tiny/infer", body)
+        assert code == 400 and "timeout must be from 0 to" in json.loads(payload)["error"]
+        assert running.service.stats()["inference_stats"]["fail"]["count"] == 1
+    finally:
+        running.stop()

@@ -387,7 +387,11 @@ def test_bad_submissions_are_rejected(model_path: Path) -> None:
         with pytest.raises(InputError, match="batch size"):
             batcher.submit({"input": images(5)})
         with pytest.raises(InputError, match="priority"):
-            batcher.submit({"input": images(1)}, priority=7)
+            batcher.submit({"input": images(1)}, priority=-1)
+        with pytest.raises(InputError, match="timeout"):  # beyond Triton's uint64
+            batcher.submit({"input": images(1)}, timeout_us=10**400)
+        # As Triton: a priority beyond the levels is the default level.
+        assert await batcher.submit({"input": images(1)}, priority=7)
         await batcher.stop()
 
     asyncio.run(main())
@@ -577,3 +581,100 @@ def test_a_deadline_inside_the_delay_runs_on_an_idle_instance(model_path: Path) 
         return result
 
     assert asyncio.run(main()).queue_s < 0.1
+
+
+# -- found by probing the batcher ----------------------------------------------------------------
+
+
+def test_a_staged_request_is_answered_at_its_deadline_not_after_the_running_batch(
+        model_path: Path) -> None:
+    backend = make_backend(model_path, GatedBackend, max_batch=1)
+    recorder = Recorder()
+
+    async def main() -> tuple[float, Any]:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0),
+                          observer=recorder)
+        batcher.start()
+        first = await occupy(batcher, backend)
+        started = time.monotonic()
+        staged = batcher.submit({"input": images(1)}, timeout_us=50_000)
+        with pytest.raises(DeadlineExceeded, match="before its batch ran"):
+            await asyncio.wait_for(staged, 2.0)  # the gate stays shut: the running batch waits
+        answered_s = time.monotonic() - started
+        backend.gate.set()
+        await first
+        await batcher.stop()
+        return answered_s, batcher.load()
+
+    answered_s, load = asyncio.run(main())
+    assert answered_s < 0.5
+    assert sorted(recorder.outcomes) == ["success", "timeout"]  # counted once, as the client saw
+    assert load.completed_total == load.arrivals_total == 2
+
+
+class _OneGatePerRun(OnnxRuntimeBackend):
+    """Each run waits for its own gate, so a test can hold the second batch after the first."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import threading
+
+        self.started = [threading.Event() for _ in range(2)]
+        self.gates = [threading.Event() for _ in range(2)]
+        self.runs = 0
+
+    def run(self, batch: Any) -> dict[str, np.ndarray]:
+        index, self.runs = self.runs, self.runs + 1
+        self.started[index].set()
+        if not self.gates[index].wait(10):
+            raise RuntimeError("test gate never opened")
+        return super().run(batch)
+
+
+def test_an_instance_running_its_staged_batch_counts_as_busy(model_path: Path) -> None:
+    # The staged batch marked the instance running, then the batch before it finished and
+    # marked it idle while the staged one ran: the governor saw an idle instance at work.
+    backend = make_backend(model_path, _OneGatePerRun, max_batch=1)
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0))
+        batcher.start()
+        first = batcher.submit({"input": images(1)})
+        await loop.run_in_executor(None, backend.started[0].wait, 5)
+        second = batcher.submit({"input": images(1, seed=1)})
+        await asyncio.sleep(0.05)  # staged behind the first
+        busy = [batcher.load().busy_instances]
+        backend.gates[0].set()
+        await first
+        await loop.run_in_executor(None, backend.started[1].wait, 5)
+        await asyncio.sleep(0.05)
+        busy.append(batcher.load().busy_instances)
+        backend.gates[1].set()
+        await second
+        busy.append(batcher.load().busy_instances)
+        await batcher.stop()
+        return busy
+
+    assert asyncio.run(main()) == [1, 1, 0]
+
+
+def test_a_full_batch_of_another_frame_size_does_not_wait_behind_a_lone_request(
+        model_path: Path) -> None:
+    # Triton sends the pending batch when a request of another shape arrives; here the lone
+    # 16x16 request waits out its delay, but a full 32x32 batch goes at once.
+    first, second = make_backend(model_path, max_batch=4), make_backend(model_path, max_batch=4)
+
+    async def main() -> float:
+        batcher = Batcher([first, second], BatchPolicy(max_batch_size=4,
+                                                       max_queue_delay_us=500_000))
+        batcher.start()
+        lone = batcher.submit({"input": images(1, size=16)})
+        started = time.monotonic()
+        await batcher.submit({"input": images(4, size=32)})
+        full_s = time.monotonic() - started
+        await lone
+        await batcher.stop()
+        return full_s
+
+    assert asyncio.run(main()) < 0.25

@@ -28,7 +28,7 @@ from agent import __version__
 from agent.api.codec import HEADER_LENGTH, RequestError, decode_request, encode_response, parse_json
 from agent.api.shm import SystemSharedMemory
 from agent.batcher import DeadlineExceeded, NotServing, QueueFull
-from agent.errors import AgentError, InputError
+from agent.errors import AgentError, InputError, first_line
 from agent.metrics import CONTENT_TYPE_LATEST
 from agent.scattered import Body
 from agent.serving import ModelService
@@ -259,6 +259,9 @@ class InferenceServer:
         except RequestPayloadError as exc:  # a compressed body that does not decompress, ...
             reason = exc.__cause__ or exc
             return _error(400, f"request body cannot be read: {type(reason).__name__}: {reason}")
+        except Exception as exc:  # a server fault: JSON like every other answer, logged once
+            log.error("request %s %s failed", request.method, request.path, exc_info=exc)
+            return _error(500, f"internal error: {type(exc).__name__}: {first_line(exc)}")
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -420,6 +423,9 @@ class InferenceServer:
                 raise
             except (QueueFull, NotServing):
                 service.rejected("rejected")
+                raise
+            except Exception:
+                service.rejected("failure")  # a fault of ours, still counted
                 raise
             result = await future
             payload, headers = encode_response(decoded, result.outputs, model_name=service.name,
