@@ -28,10 +28,28 @@ class AgentError(Exception):
         self.fields = {name: value for name, value in fields.items() if value is not None}
 
     def __str__(self) -> str:
+        # Values often come from untrusted input (a bundle's signature file, a request header):
+        # escaped and bounded, so an error stays one line and cannot steer a terminal.
+        message = printable(self.message, MAX_MESSAGE_CHARS)
         if not self.fields:
-            return self.message
-        details = ", ".join(f"{name}={value}" for name, value in self.fields.items())
-        return f"{self.message} ({details})"
+            return message
+        details = ", ".join(f"{name}={printable(str(value), MAX_FIELD_CHARS)}"
+                            for name, value in self.fields.items())
+        return f"{message} ({details})"
+
+
+MAX_MESSAGE_CHARS = 2000
+MAX_FIELD_CHARS = 1000
+
+
+def printable(text: str, limit: int | None = None) -> str:
+    """``text`` with control and other unprintable characters escaped (``\\x1b``, ``\\n``) and, given
+    ``limit``, shortened to about that many characters: safe to print on one terminal line."""
+    if not text.isprintable():
+        text = "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
+    if limit is not None and len(text) > limit:
+        text = f"{text[:limit - 3]}..."
+    return text
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

@@ -74,29 +74,66 @@ def canonical_manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
     """
     try:
         text = json.dumps(manifest, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        return (text + "\n").encode("utf-8")  # a lone surrogate fails here (a ValueError)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise BundleError("manifest is not representable as JSON", reason=str(exc)) from exc
-    return (text + "\n").encode("utf-8")
 
 
 def parse_manifest_bytes(data: bytes) -> dict[str, Any]:
     """Parse ``manifest.json`` bytes into a dict (no validation).
 
     Duplicate keys are refused: two parsers that keep different duplicates would read different
-    manifests from the same signed bytes.
+    manifests from the same signed bytes. So is what the writer (:func:`canonical_manifest_bytes`)
+    cannot write back: NaN and infinities, lone surrogate escapes, and nesting deeper than
+    :data:`MAX_MANIFEST_DEPTH` (a manifest is a few levels deep; thousands of levels would
+    exhaust the stack of whatever copies or prints it later).
 
     Raises:
-        BundleError: not UTF-8, not JSON, a duplicate key, or not a JSON object.
+        BundleError: not UTF-8, not strict JSON, a duplicate key, too deep, or not an object.
     """
     try:
-        manifest = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
+        manifest = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys,
+                              parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as exc:
         raise BundleError("manifest.json is not valid UTF-8 JSON", reason=str(exc)) from exc
     except RecursionError:
         raise BundleError("manifest.json is nested too deeply") from None
     if not isinstance(manifest, dict):
         raise invalid_field("<manifest>", "a JSON object", manifest)
+    _check_plain(manifest)
     return manifest
+
+
+MAX_MANIFEST_DEPTH = 32
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_plain(manifest: dict[str, Any]) -> None:
+    """Refuse nesting deeper than MAX_MANIFEST_DEPTH and text with lone surrogates (walked
+    without recursion)."""
+    pending: list[tuple[Any, int]] = [(manifest, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_MANIFEST_DEPTH:
+            raise BundleError("manifest.json is nested too deeply",
+                              expected=f"<= {MAX_MANIFEST_DEPTH} levels")
+        if isinstance(value, dict):
+            pending.extend((item, depth + 1) for item in value.values())
+            texts = list(value)
+        elif isinstance(value, list):
+            pending.extend((item, depth + 1) for item in value)
+            texts = []
+        else:
+            texts = [value] if isinstance(value, str) else []
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BundleError("manifest.json holds text that is not valid Unicode (a lone "
+                                  "surrogate escape)", found=ascii(text)[:80]) from None
 
 
 def validate_manifest(manifest: Mapping[str, Any]) -> None:

@@ -20,6 +20,7 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from agent.errors import KeyFileError, SignatureError
 from agent.fsutil import atomic_output_file, atomic_write_bytes
+
+log = logging.getLogger(__name__)
 
 SIGNATURE_ALGORITHM = "ed25519"
 KEY_ID_HEX_CHARS = 16
@@ -151,6 +154,11 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
     path = Path(path)
     data = _read_key_file(path)
     label = _pem_label(path, data)
+    if label == "OPENSSH PRIVATE KEY":
+        raise KeyFileError("an OpenSSH-format key; convert it to PKCS8 PEM with "
+                           "'ssh-keygen -p -m PKCS8 -f FILE', or make one with "
+                           "'edge-agent bundle keygen'", path=path)
+    _check_one_block(path, data)
     if "PUBLIC" in label:
         raise KeyFileError(
             "key file holds a public key; a private key is needed here", path=path, found=label
@@ -161,6 +169,7 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise KeyFileError("cannot parse private key", path=path, reason=str(exc)) from exc
+    _warn_if_others_can_read(path)
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(
             "key is not an Ed25519 private key",
@@ -180,6 +189,9 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     """
     path = Path(path)
     data = _read_key_file(path)
+    if data.lstrip().startswith(b"ssh-ed25519 "):
+        raise KeyFileError("an OpenSSH-format public key; convert it to PEM with "
+                           "'ssh-keygen -e -m PKCS8 -f FILE'", path=path)
     # Any PRIVATE block counts, not only the first: a private key may follow the public one.
     label = next((found.decode("ascii") for found in _PEM_LABEL.findall(data)
                   if b"PRIVATE" in found), None) or _pem_label(path, data)
@@ -189,6 +201,7 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
         raise KeyFileError(
             "key file holds a private key; a public key is needed here", path=path, found=label
         )
+    _check_one_block(path, data)
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, UnsupportedAlgorithm) as exc:
@@ -309,6 +322,26 @@ def _read_key_file(path: Path) -> bytes:
     if len(data) > MAX_KEY_FILE_BYTES:
         raise KeyFileError("file is too large to be a PEM key", path=path)
     return data
+
+
+def _check_one_block(path: Path, data: bytes) -> None:
+    """Refuse a file of several PEM blocks: only the first would be used, silently (a trust
+    file made with ``cat a.pub b.pub`` would trust only ``a``). One key per file; give several
+    files to trust several keys."""
+    count = len(_PEM_LABEL.findall(data))
+    if count > 1:
+        raise KeyFileError(f"key file holds {count} PEM blocks; give one key per file (several "
+                           "files to trust several keys)", path=path)
+
+
+def _warn_if_others_can_read(path: Path) -> None:
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning("private key %s can be read by other users (mode %o): chmod 600 it",
+                    path, mode & 0o777)
 
 
 def _pem_label(path: Path, data: bytes) -> str:

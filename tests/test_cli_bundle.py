@@ -363,8 +363,8 @@ def test_inspect_shows_a_failed_verification_and_exits_1(
     status, out, _ = run_cli(capsys, "inspect", bundle, "--pubkey", tmp_path / "other.pem.pub")
     assert status == 1
     assert "name: digits-cnn" in out  # the summary is still shown
-    failure = [line for line in out.splitlines() if line.startswith("signature: ")]
-    assert len(failure) == 1 and failure[0].startswith("signature: FAILED: unknown signing key")
+    failure = [line for line in out.splitlines() if line.startswith("verification: ")]
+    assert len(failure) == 1 and failure[0].startswith("verification: FAILED: unknown signing key")
 
 
 def test_inspect_json(bundle: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -393,7 +393,7 @@ def test_inspect_an_unsigned_bundle(
     assert "signature: missing (unsigned bundle)" in out.splitlines()
     status, out, _ = run_cli(capsys, "inspect", unsigned, "--pubkey", keys[1])
     assert status == 1
-    assert "signature: FAILED: unsigned bundle" in out
+    assert "verification: FAILED: unsigned bundle" in out
 
 
 def test_inspect_refuses_an_unsafe_tar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -504,3 +504,77 @@ def test_help_shows_every_value_default_once() -> None:
     bench_kinds = next(action for action in subcommands["bench"]._actions
                        if isinstance(action, argparse._SubParsersAction)).choices
     assert "(default: 0.75)" in " ".join(bench_kinds["pipeline"].format_help().split())
+
+
+# --------------------------------------------------------------------------------------------------
+# found by probing: hostile text stays on one escaped line; read and write agree
+
+
+def _tar_of(path: Path, members: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_text_from_a_hostile_signature_file_is_escaped_and_bounded(
+    tmp_path: Path, bundle: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with tarfile.open(bundle) as tar:
+        members = {info.name: tar.extractfile(info).read() for info in tar.getmembers()
+                   if info.isfile()}
+    document = json.loads(members["manifest.sig"])
+    document["algorithm"] = "\x1b]0;owned\x07\x1b[2J\nsignature: verified"
+    document["key_id"] = "k" * 60_000
+    members["manifest.sig"] = json.dumps(document).encode()
+    hostile = _tar_of(tmp_path / "hostile.bundle", members)
+    status, _, err = run_cli(capsys, "verify", hostile, "--pubkey", keys[1])
+    assert_one_line_error(status, err)
+    assert "\x1b" not in err and "\\x1b" in err and len(err) < 5000
+
+
+def test_inspect_escapes_an_unverified_manifest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = json.loads((write_build_dir(tmp_path / "b") / "manifest.json").read_text())
+    manifest["name"] = "evil\x1b[2J\nsignature: verified"
+    manifest["precision"]["fp16_layers"] = ["\x1b]0;title\x07layer"]
+    hostile = _tar_of(tmp_path / "unsigned.bundle", {
+        "manifest.json": json.dumps(manifest).encode(), "model.onnx": MODEL_BYTES})
+    status, out, _ = run_cli(capsys, "inspect", hostile)
+    assert status == 0
+    assert "\x1b" not in out and "\x07" not in out
+    assert [line for line in out.splitlines() if line.startswith("signature:")] == [
+        "signature: missing (unsigned bundle)"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"a": ' * 40 + "1" + "}" * 40, "nested too deeply"),
+    ('{"name": "x", "note": "\\ud800"}', "lone surrogate"),
+    ('{"name": "x", "top1": NaN}', "NaN is not a JSON number"),
+])
+def test_a_manifest_the_writer_could_not_write_back_is_refused_on_read(text: str,
+                                                                       message: str) -> None:
+    from agent.errors import BundleError
+    from models.manifest import parse_manifest_bytes
+
+    with pytest.raises(BundleError, match=message):
+        parse_manifest_bytes(text.encode())
+
+
+def test_sign_refuses_to_write_over_the_keys_public_half(
+    tmp_path: Path, keys: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = keys[1].read_bytes()
+    status, _, err = run_cli(capsys, "sign", write_build_dir(tmp_path / "b"), "--key", keys[0],
+                             "--out", keys[1], "--force")
+    assert_one_line_error(status, err, "--out is the signing key's public key")
+    assert keys[1].read_bytes() == before
+
+
+def test_help_shows_no_empty_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bundle", "inspect", "--help"])
+    assert "(default: )" not in capsys.readouterr().out

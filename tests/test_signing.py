@@ -114,11 +114,45 @@ def test_missing_key_file_is_named(tmp_path: Path) -> None:
 
 def test_a_file_that_is_not_pem_is_refused(tmp_path: Path) -> None:
     not_pem = tmp_path / "key.txt"
-    not_pem.write_bytes(b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAA user@host\n")
+    not_pem.write_bytes(b"just some text\n")
     for loader in (load_private_key, load_public_key):
         with pytest.raises(KeyFileError, match="not PEM") as excinfo:
             loader(not_pem)
         assert excinfo.value.fields["path"] == not_pem
+
+
+def test_openssh_keys_are_named_with_how_to_convert_them(tmp_path: Path) -> None:
+    public = tmp_path / "id_ed25519.pub"
+    public.write_bytes(b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAA user@host\n")
+    with pytest.raises(KeyFileError, match="OpenSSH-format public key.*ssh-keygen -e -m PKCS8"):
+        load_public_key(public)
+    private = tmp_path / "id_ed25519"
+    private.write_bytes(b"-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n"
+                        b"-----END OPENSSH PRIVATE KEY-----\n")
+    with pytest.raises(KeyFileError, match="OpenSSH-format key.*ssh-keygen -p -m PKCS8"):
+        load_private_key(private)
+
+
+def test_a_key_file_of_several_keys_is_refused(tmp_path: Path) -> None:
+    first, second = write_keypair(tmp_path / "a"), write_keypair(tmp_path / "b")
+    both = tmp_path / "both.pub"
+    both.write_bytes((tmp_path / "a.pub").read_bytes() + (tmp_path / "b.pub").read_bytes())
+    with pytest.raises(KeyFileError, match="holds 2 PEM blocks; give one key per file"):
+        load_public_key(both)
+    both_private = tmp_path / "both.key"
+    both_private.write_bytes((tmp_path / "a").read_bytes() + (tmp_path / "b").read_bytes())
+    both_private.chmod(0o600)
+    with pytest.raises(KeyFileError, match="holds 2 PEM blocks"):
+        load_private_key(both_private)
+    assert first and second
+
+
+def test_a_private_key_others_can_read_is_warned_about(tmp_path: Path, caplog) -> None:
+    write_keypair(tmp_path / "k")
+    (tmp_path / "k").chmod(0o644)
+    with caplog.at_level("WARNING", logger="models.signing"):
+        load_private_key(tmp_path / "k")
+    assert "can be read by other users (mode 644)" in caplog.text
 
 
 def test_public_key_where_private_is_needed_and_vice_versa(key_files: tuple[Path, Path]) -> None:

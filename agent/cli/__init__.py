@@ -58,7 +58,7 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
                 _show_defaults(subparser)
             continue
         if (not action.option_strings or action.help == argparse.SUPPRESS
-                or action.default in (None, False, argparse.SUPPRESS)
+                or action.default in (None, False, argparse.SUPPRESS, [], ())
                 or "default" in (action.help or "")):
             continue
         shown = ", ".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) \

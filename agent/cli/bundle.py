@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import __version__
-from agent.errors import AgentError, BundleError, KeyFileError
+from agent.errors import AgentError, BundleError, KeyFileError, printable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -70,9 +70,13 @@ def _file_path(text: str) -> Path:
 def _check_sign_output(out: Path, source: Path, key: Path, force: bool) -> None:
     """Refuse an --out that would overwrite the key, the source or a file inside the build
     directory being packed, or any existing file without --force."""
+    from models.signing import public_key_path
+
     target = out.resolve()
     if target == key.resolve():
         raise BundleError("--out is the signing key itself", path=out)
+    if target == public_key_path(key).resolve():
+        raise BundleError("--out is the signing key's public key", path=out)
     if target == source.resolve():
         raise BundleError("--out is the bundle being signed; write the new bundle elsewhere",
                           path=out)
@@ -205,7 +209,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         document = {"manifest": info["manifest"], "signature": signature}
         print(json.dumps(document, indent=2, sort_keys=True))
     else:
-        print("\n".join(format_summary(info["manifest"], info["members"], signature)))
+        # An unverified manifest is anybody's text: escaped, so that it cannot steer the
+        # terminal or fake a line of this summary.
+        print("\n".join(printable(line) for line in
+                        format_summary(info["manifest"], info["members"], signature)))
     return 1 if signature["status"] == "failed" else 0
 
 
@@ -269,7 +276,8 @@ def format_summary(
     lines.append(f"signing key: {signature.get('key_id') or 'none'}")
     status = signature.get("status")
     if status == "failed":
-        lines.append(f"signature: FAILED: {signature.get('error')}")
+        # open_bundle checks the signature, then every artifact's hash, then compatibility.
+        lines.append(f"verification: FAILED: {signature.get('error')}")
     elif not signature.get("present"):
         lines.append("signature: missing (unsigned bundle)")
     elif signature.get("error"):
