@@ -247,6 +247,7 @@ class Batcher:
         self._instances = [self._wrap(backend) for backend in backends]
         self._max_batch_size = min(self.policy.max_batch_size,
                                    *(backend.max_batch_size for backend in backends))
+        self._fail_oversized()
         self._poke()
         while any(instance.outstanding for instance in old):
             await asyncio.sleep(0.002)
@@ -430,7 +431,7 @@ class Batcher:
         # Bounded: at a deep queue, shapes first seen further back wait for the ones ahead.
         for request in itertools.islice(requests, CANDIDATE_SCAN):
             batch, total = groups.get(request.shape_key, ([], 0))
-            if total + request.batch_size <= self.max_batch_size:
+            if not batch or total + request.batch_size <= self.max_batch_size:
                 batch.append(request)
                 groups[request.shape_key] = (batch, total + request.batch_size)
         return list(groups.values())
@@ -480,6 +481,17 @@ class Batcher:
         request.future.set_exception(DeadlineExceeded(
             "request timed out before its batch ran",
             waited_ms=round((time.monotonic() - request.arrival) * 1e3, 3)))
+
+    def _fail_oversized(self) -> None:
+        """Answer queued requests with more samples than the (new) maximum batch."""
+        for queue in self._queues:
+            for request in [r for r in queue if r.batch_size > self.max_batch_size]:
+                queue.remove(request)
+                self._queued -= 1
+                self._finish(request, "invalid", error=InputError(
+                    "request batch size exceeds the maximum of the model now served",
+                    found=request.batch_size, maximum=self.max_batch_size))
+        self._report_depth()
 
     def _fail_queued(self, error: AgentError) -> None:
         for queue in self._queues:

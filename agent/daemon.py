@@ -192,10 +192,17 @@ class Daemon:
 
     async def start(self, candidate: ModelArtifacts | None = None) -> int:
         """Load the current model, or ``candidate`` (an installed version), and start the HTTP
-        API; returns the port. A candidate becomes current only once it serves: one whose model
-        does not load (a broken ONNX, a backend this device lacks) leaves current as it was."""
+        API; returns the port. A candidate becomes current only once its model has loaded: one
+        that does not load (a broken ONNX, a backend this device lacks) leaves current as it
+        was."""
         current = candidate or self.store.current()
         if current is None:
+            installed = {name: self.store.versions(name) for name in self.store.names()}
+            if any(installed.values()):
+                raise StoreError("no current model: 'edge-agent serve --bundle B --pubkey PUB' "
+                                 "installs and activates one", state_dir=self.config.state_dir,
+                                 installed=", ".join(f"{name} v{versions}" for name, versions
+                                                     in installed.items() if versions))
             raise StoreError("no model installed: install a bundle with "
                              "'edge-agent serve --bundle B --pubkey PUB'",
                              state_dir=self.config.state_dir)
@@ -219,14 +226,13 @@ class Daemon:
         try:
             if self._stop_requested.is_set():  # asked to stop while the instances started
                 raise StopRequested("stopped before serving", model=artifacts.name)
-            port = await self.server.start()
+            if candidate is not None:  # its model loaded: it is the one to serve from now on
+                self.make_current(artifacts)
+            return await self.server.start()
         except BaseException:
             await service.stop(drain=False)
             self._free()
             raise
-        if candidate is not None:
-            self.make_current(artifacts)
-        return port
 
     async def stop(self, *, timeout_s: float = 30.0) -> None:
         if self.server is not None:
@@ -240,6 +246,10 @@ class Daemon:
             for backend in service.backends:
                 backend.deactivate()
         self.services.clear()
+
+
+def _ignore_sighup(*_: object) -> None:
+    log.warning("SIGHUP ignored: the daemon does not reload its configuration; restart it instead")
 
 
 def check_can_listen(host: str, port: int) -> None:
@@ -262,6 +272,9 @@ def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
     # A busy port would only be found once the model has loaded (minutes, when a TensorRT
     # engine is built first): look now.
     check_can_listen(config.http.host, config.http.port)
+    # SIGHUP (a closed terminal, or an operator expecting a reload) would kill the daemon
+    # outright, even mid-install: there is nothing to reload, so it is ignored throughout.
+    signal.signal(signal.SIGHUP, _ignore_sighup)
     daemon = Daemon(config)
     candidate = None
     if bundle is not None:
@@ -278,10 +291,7 @@ def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal)
-        # SIGHUP (a closed terminal, or an operator expecting a reload) would kill the daemon
-        # outright, dropping queued requests: there is nothing to reload, so it is ignored.
-        loop.add_signal_handler(signal.SIGHUP, lambda: log.warning(
-            "SIGHUP ignored: the daemon does not reload its configuration; restart it instead"))
+        loop.add_signal_handler(signal.SIGHUP, _ignore_sighup)
         try:
             port = await daemon.start(candidate)
         except StopRequested as exc:
@@ -289,10 +299,11 @@ def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
             daemon.close()
             return
         except AgentError:
-            if candidate is not None:
-                current = daemon.store.current()
-                log.error("%s v%d is installed but was not made current, since it could not be "
-                          "served; current is still %s", candidate.name, candidate.version,
+            current = daemon.store.current()
+            if candidate is not None and (current is None or (current.name, current.version)
+                                          != (candidate.name, candidate.version)):
+                log.error("%s v%d is installed but was not made current, since its start "
+                          "failed; current is still %s", candidate.name, candidate.version,
                           f"{current.name} v{current.version}" if current else "none")
             raise
         if on_ready is not None:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from agent import __version__
@@ -62,7 +63,7 @@ from models.manifest import (
     parse_manifest_bytes,
     validate_manifest,
 )
-from models.signing import verify_manifest
+from models.signing import compute_key_id, parse_signature_document, verify_manifest
 
 log = logging.getLogger(__name__)
 
@@ -268,25 +269,23 @@ class ModelStore:
         with self._lock:
             directory = self._version_dir(ref)
             if directory.exists() or directory.is_symlink():
+                if self._publishes_other_content(directory, bundle.read_member(MANIFEST_MEMBER)):
+                    raise StoreError(
+                        "this version is already installed with a different manifest; "
+                        "versions are immutable, so publish the change as a new version",
+                        name=ref.name,
+                        version=ref.version,
+                        path=directory,
+                    )
                 try:
                     installed = self.load(ref.name, ref.version)
                 except (StoreError, BundleError, SignatureError) as exc:
-                    # The disk damaged the installed copy (any file, the manifest included: a
-                    # copy that no longer verifies says nothing about what was published); the
-                    # verified bundle repairs it.
+                    # The same publication, but a file of it is damaged on disk (or its manifest
+                    # no longer verifies): the verified bundle repairs it.
                     log.warning("the installed copy of %s is damaged (%s); replacing it from "
                                 "the bundle", ref, exc)
                     self._delete_version(ref)
                 else:
-                    if _read_small(directory / MANIFEST_MEMBER) != bundle.read_member(
-                            MANIFEST_MEMBER):
-                        raise StoreError(
-                            "this version is already installed with a different manifest; "
-                            "versions are immutable, so publish the change as a new version",
-                            name=ref.name,
-                            version=ref.version,
-                            path=directory,
-                        )
                     log.info("%s is already installed", ref)
                     return installed
             self._check_free_space(manifest)
@@ -296,6 +295,29 @@ class ModelStore:
             bundle.extract(directory)
             log.info("installed %s (signed by key %s)", ref, bundle.key_id)
             return self._artifacts(ref, directory, manifest)
+
+    def _publishes_other_content(self, directory: Path, manifest_bytes: bytes) -> bool:
+        """Whether an installed version holds a different, intact publication than
+        ``manifest_bytes``: its manifest differs and is not merely damaged. Damaged means
+        unreadable, or signed by a trusted key whose signature no longer matches; a manifest
+        signed by a key no longer trusted is taken as intact (nothing shows it is not), so
+        versions stay immutable across key rotations."""
+        try:
+            installed = _read_small(directory / MANIFEST_MEMBER)
+            signature = parse_signature_document(_read_small(directory / SIGNATURE_MEMBER))
+        except (StoreError, SignatureError):
+            return False  # unreadable: damage, repaired from the bundle
+        if installed == manifest_bytes:
+            return False
+        trusted = {compute_key_id(key): key for key in self._trusted_keys}
+        key = trusted.get(signature.key_id)
+        if key is None:
+            return True
+        try:
+            key.verify(signature.signature, installed)
+        except InvalidSignature:
+            return False  # changed on disk after it was signed: damage
+        return True
 
     def activate(self, name: str, version: int) -> ModelArtifacts:
         """Make an installed version current; the current one becomes the previous one.

@@ -141,7 +141,10 @@ def io_specs(model: Any) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return inputs, outputs
 
 
-NCHW_TO_NHWC_PERMS = ((0, 3, 1, 2),)  # the Transpose an NHWC graph (tf2onnx) starts with
+# Transposes of a 4-D tensor: to channels-first (as an NHWC graph from tf2onnx starts), and to
+# channels-last (as a graph that returns NHWC ends).
+TO_CHANNELS_FIRST_PERMS = ((0, 3, 1, 2),)
+TO_CHANNELS_LAST_PERMS = ((0, 2, 3, 1),)
 
 
 def image_layout(model: Any, spec: TensorSpec) -> str | None:
@@ -161,7 +164,7 @@ def image_layout(model: Any, spec: TensorSpec) -> str | None:
         if node.op_type == "Transpose":
             perm = next((tuple(attribute.ints) for attribute in node.attribute
                          if attribute.name == "perm"), ())
-            if perm in NCHW_TO_NHWC_PERMS:
+            if perm in TO_CHANNELS_FIRST_PERMS:
                 return "NHWC"
     second, last = spec.shape[1], spec.shape[3]
     if second < 0 and last < 0:
@@ -198,9 +201,9 @@ def output_layout(model: Any, spec: TensorSpec, input_layout: str | None = None)
         attributes = {attribute.name: attribute for attribute in node.attribute}
         if node.op_type == "Transpose" and "perm" in attributes:
             perm = tuple(attributes["perm"].ints)
-            if perm == (0, 2, 3, 1):
+            if perm in TO_CHANNELS_LAST_PERMS:
                 return "NHWC"
-            if perm in NCHW_TO_NHWC_PERMS:
+            if perm in TO_CHANNELS_FIRST_PERMS:
                 return "NCHW"
             break
         if node.op_type in ("Softmax", "LogSoftmax") and "axis" in attributes:

@@ -678,3 +678,31 @@ def test_a_full_batch_of_another_frame_size_does_not_wait_behind_a_lone_request(
         return full_s
 
     assert asyncio.run(main()) < 0.25
+
+
+def test_a_swap_to_a_smaller_maximum_answers_queued_requests_it_cannot_take(
+        tmp_path: Path) -> None:
+    old_model = tiny_classifier(tmp_path / "old" / "model.onnx", seed=1)
+    new_model = tiny_classifier(tmp_path / "new" / "model.onnx", seed=2)
+    old = make_backend(old_model, GatedBackend, max_batch=4)
+    new = make_backend(new_model, max_batch=2)
+
+    async def main() -> tuple[Any, Any]:
+        batcher = Batcher([old], BatchPolicy(max_batch_size=4, max_queue_delay_us=0),
+                          buffer_sets=1)
+        batcher.start()
+        busy = await occupy(batcher, old)
+        too_big = batcher.submit({"input": images(4, seed=3)})  # queued behind the busy one
+        swap = asyncio.ensure_future(batcher.replace_backends([new]))
+        with pytest.raises(InputError, match="exceeds the maximum of the model now served"):
+            await asyncio.wait_for(too_big, 5)
+        later = await asyncio.wait_for(batcher.submit({"input": images(1, seed=4)}), 5)
+        old.gate.set()
+        await busy
+        await swap
+        await batcher.stop()
+        return later, batcher.load()
+
+    later, load = asyncio.run(main())
+    assert later.outputs["logits"].shape == (1, 10)
+    assert load.completed_total == load.arrivals_total == 3

@@ -584,3 +584,20 @@ def test_sigterm_while_serve_installs_a_bundle_unwinds_it(tmp_path: Path,
     assert "edge-agent: terminated" in result.stderr
     leftovers = [path.name for path in (state / "models").rglob("*") if "extract" in path.name]
     assert leftovers == []
+
+
+def test_an_installed_but_never_current_version_is_named_at_start(
+        tmp_path: Path, signed: tuple[Path, Path, Any]) -> None:
+    bundle, public_key, _ = signed
+    config = _config(tmp_path, public_key)
+    from agent.daemon import Daemon
+
+    installer = Daemon(config)
+    installer.install(bundle)  # as a start stopped before it served leaves it
+    installer.close()
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "serve", "--pubkey", str(public_key), "--state-dir",
+         str(tmp_path / "state"), "--http-port", str(free_port())],
+        capture_output=True, text=True, timeout=60, env=clean_env(), check=False)
+    assert result.returncode == 1
+    assert "no current model" in result.stderr and "installed=tiny v[1]" in result.stderr

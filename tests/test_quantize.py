@@ -305,6 +305,7 @@ def test_a_subset_keeps_the_judgement_of_the_whole_set():
 
 @pytest.mark.parametrize("tail, shape, input_layout, expected", [
     ("transpose", [-1, -1, -1, 4], None, "NHWC"),
+    ("transpose_first", [-1, 4, 16, 16], "NHWC", "NCHW"),
     ("transpose_softmax", [-1, 16, 16, 4], None, "NHWC"),
     ("softmax_last", [-1, 16, 16, 4], None, "NHWC"),
     ("softmax_first", [-1, 4, 16, 16], "NHWC", "NCHW"),
@@ -321,6 +322,7 @@ def test_an_outputs_layout_is_told_by_the_graph_then_its_shape(tail, shape, inpu
     from models.onnx_model import io_specs, output_layout
 
     nodes = {"transpose": [helper.make_node("Transpose", ["x"], ["y"], perm=[0, 2, 3, 1])],
+             "transpose_first": [helper.make_node("Transpose", ["x"], ["y"], perm=[0, 3, 1, 2])],
              "transpose_softmax": [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1]),
                                    helper.make_node("Softmax", ["t"], ["y"], axis=3)],
              "softmax_last": [helper.make_node("Softmax", ["x"], ["y"], axis=-1)],

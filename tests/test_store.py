@@ -388,6 +388,26 @@ def test_reinstalling_repairs_a_damaged_manifest(
     assert snapshot(state_dir / "models") == before
 
 
+def test_a_different_publication_stays_a_conflict_after_a_key_rotation(
+    state_dir: Path, store: ModelStore, bundles: Bundles
+) -> None:
+    # The installed copy no longer verifies only because its key is not trusted any more:
+    # nothing shows it is damaged, so another v3 is still a second publication of v3.
+    store.install(bundles.make(3))
+    store.activate(MODEL_NAME, 3)
+    store.close()
+    rotated_key = generate_private_key()
+    rotated = ModelStore(state_dir, trusted_keys=[rotated_key.public_key()])
+    try:
+        before = snapshot(state_dir)
+        other = bundles.make(3, key=rotated_key, accuracy={"top1_fp32": 0.5, "top1_int8": 0.1})
+        with pytest.raises(StoreError, match="immutable"):
+            rotated.install(other)
+        assert snapshot(state_dir) == before
+    finally:
+        rotated.close()
+
+
 def installed_store(store: ModelStore, bundles: Bundles) -> Path:
     return store.install(bundles.make(3)).directory
 
