@@ -61,6 +61,9 @@ class ServeBenchOptions:
                               found=list(self.concurrency))
         if self.rounds < 1:
             raise ConfigError("need at least one round", key="--rounds", found=self.rounds)
+        if not self.duration_s >= MIN_WINDOW_S:  # also refuses NaN
+            raise ConfigError(f"--duration must be at least {MIN_WINDOW_S} s (a shorter window "
+                              "measures no request)", key="--duration", found=self.duration_s)
         for key, value, minimum in (("--duration", self.duration_s, 0.0),
                                     ("--warmup", self.warmup_s, None),
                                     ("raw_min_time_s", self.raw_min_time_s, 0.0)):
@@ -69,6 +72,9 @@ class ServeBenchOptions:
             if not low_ok or not value <= 86_400:
                 raise ConfigError("durations must be finite and positive (at most a day)",
                                   key=key, found=value)
+
+
+MIN_WINDOW_S = 0.5
 
 
 def _free_port() -> int:
@@ -203,8 +209,10 @@ class DaemonProcess:
     """``edge-agent serve`` in a child process on an installed store."""
 
     def __init__(self, options: ServeBenchOptions, state_dir: Path, port: int) -> None:
-        command = [sys.executable, "-m", "agent", "-q", "serve", "--state-dir", str(state_dir),
-                   "--http-port", str(port)]
+        # On loopback whatever the configuration says (a board's LAN address, or "::"): the load
+        # generator runs here. Logged at INFO, so that a failure can quote the daemon's log.
+        command = [sys.executable, "-m", "agent", "serve", "--state-dir", str(state_dir),
+                   "--http-host", "127.0.0.1", "--http-port", str(port)]
         if options.config is not None:
             command += ["--config", str(options.config)]
         for key in options.public_keys:
@@ -273,9 +281,11 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
               f"1x{'x'.join(map(str, sample_shape))}", flush=True)
         rng = np.random.default_rng(1)
         samples = tuple(rng.normal(size=(1, *sample_shape)).astype(np.float32) for _ in range(4))
+        token = config.http.token.reveal() if config.http.token is not None else None
         target = loadgen.Target(base_url=f"http://127.0.0.1:{port}", model=artifacts.name,
                                 input_name=manifest["inputs"][0]["name"], samples=samples,
-                                datatype="FP32")
+                                datatype="FP32",
+                                headers={"Authorization": f"Bearer {token}"} if token else {})
         raw = RawBackend(config, artifacts, sample_shape)
         daemon = DaemonProcess(options, state_dir, port)
         levels: dict[str, dict[str, Any]] = {}

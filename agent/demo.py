@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from agent.deps import require
-from agent.errors import InputError
+from agent.errors import AgentError, ConfigError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +39,27 @@ class DemoOptions:
     backend: str = "auto"
     shm_requests: int = 4
 
+    def __post_init__(self) -> None:
+        for key, value in (("--requests", self.requests), ("--concurrency", self.concurrency),
+                           ("shm_requests", self.shm_requests)):
+            if value < 1:
+                raise ConfigError(f"{key} must be at least 1", key=key, found=value)
+
 
 def find_or_build_bundle(out_dir: Path) -> tuple[Path, Path]:
-    """The newest example bundle in ``out_dir`` and its public key; built when missing."""
+    """The newest example bundle in ``out_dir`` and its public key; built when missing.
+
+    Raises:
+        ConfigError: a bundle is there but not the public key to verify it with.
+    """
     public_key = out_dir / "signing.key.pub"
-    bundles = sorted(out_dir.glob(f"{EXAMPLE_MODEL}-*.bundle"),
-                     key=lambda path: path.stat().st_mtime)
-    if bundles and public_key.is_file():
+    bundles = sorted((path for path in out_dir.glob(f"{EXAMPLE_MODEL}-*.bundle")
+                      if path.is_file()), key=lambda path: path.stat().st_mtime)
+    if bundles and not public_key.is_file():
+        raise ConfigError("the example bundle is there but not the public key that verifies it; "
+                          "put the key there, or remove the bundle to build a new one",
+                          bundle=bundles[-1], expected=public_key)
+    if bundles:
         return bundles[-1], public_key
     require("torch", extra="host", purpose="building the example bundle")
     from models.pipeline import BuildOptions, build, format_summary
@@ -180,12 +194,41 @@ def _percentiles_ms(latencies: list[float]) -> list[float]:
 
 
 def run_demo(options: DemoOptions) -> int:
+    out_dir = options.out_dir
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError("--out is not a directory", key="--out", path=out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = _lock_out_dir(out_dir)
+    except OSError as exc:
+        raise ConfigError("cannot use the demo's directory", key="--out", path=out_dir,
+                          reason=exc.strerror or str(exc)) from None
+    try:
+        return _run_demo(options, out_dir)
+    finally:
+        os.close(lock)
+
+
+def _lock_out_dir(out_dir: Path) -> int:
+    """Hold ``out_dir/.demo.lock`` for the demo's lifetime: a second demo in the same directory
+    would otherwise delete the first one's live model store."""
+    import fcntl
+
+    fd = os.open(out_dir / ".demo.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise AgentError("another edge-agent demo is running in this directory",
+                         path=out_dir) from None
+    return fd
+
+
+def _run_demo(options: DemoOptions, out_dir: Path) -> int:
     from agent.backends import resolve_backend_name
     from agent.config import load_config
     from agent.daemon import Daemon
 
-    out_dir = options.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
     bundle, public_key = find_or_build_bundle(out_dir)
     state_dir = out_dir / "state"
     shutil.rmtree(state_dir, ignore_errors=True)  # a fresh store each run: the demo installs

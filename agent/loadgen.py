@@ -24,7 +24,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -77,6 +77,8 @@ class Target:
         datatype: The KServe datatype of the input; samples are converted to it once.
         outputs: Outputs to request (all in binary); empty asks for every output in binary.
         verify: An optional check of each decoded response.
+        headers: Extra headers sent with every request (``Authorization: Bearer ...`` for a
+            server with a token).
     """
 
     base_url: str
@@ -86,6 +88,7 @@ class Target:
     datatype: str = "FP32"
     outputs: tuple[str, ...] = ()
     verify: Verifier | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -341,11 +344,12 @@ class _Client:
             body, header_length = encode_request(
                 target.input_name, sample, datatype=target.datatype, outputs=target.outputs
             )
-            headers = {"Content-Type": "application/octet-stream",
+            headers = {**target.headers, "Content-Type": "application/octet-stream",
                        HEADER_LENGTH: str(header_length)}
             self._requests.append(prepare(endpoint, "POST", f"/v2/models/{target.model}/infer",
                                           body=body, headers=headers))
-        self._stats_request = prepare(endpoint, "GET", f"/v2/models/{target.model}/stats")
+        self._stats_request = prepare(endpoint, "GET", f"/v2/models/{target.model}/stats",
+                                      headers=target.headers)
         self._next = 0
 
     def next_index(self) -> int:

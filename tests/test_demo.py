@@ -41,3 +41,71 @@ def test_demo_builds_serves_and_reports(tmp_path: Path) -> None:
     assert 'edge_agent_requests_total{model="resnet18-digits",outcome="success"}' in out
     assert "daemon stopped cleanly" in out
     assert list(tmp_path.glob("resnet18-digits-*.bundle"))
+
+
+# -- found by probing: the demo refuses what it cannot do, before any work ------------------------
+
+
+def test_a_bundle_without_its_public_key_is_refused_not_rebuilt(tmp_path: Path) -> None:
+    from agent.demo import DemoOptions, run_demo
+    from agent.errors import ConfigError
+
+    (tmp_path / "resnet18-digits-1.bundle").write_bytes(b"a bundle whose key went missing")
+    with pytest.raises(ConfigError, match="not the public key that verifies it"):
+        run_demo(DemoOptions(out_dir=tmp_path))
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        ".demo.lock", "resnet18-digits-1.bundle"]
+
+
+def test_a_second_demo_in_the_same_directory_is_refused(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    from agent.demo import DemoOptions, run_demo
+    from agent.errors import AgentError
+
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "live").write_text("the first demo's store")
+    fd = os.open(tmp_path / ".demo.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(AgentError, match="another edge-agent demo is running"):
+            run_demo(DemoOptions(out_dir=tmp_path))
+    finally:
+        os.close(fd)
+    assert (tmp_path / "state" / "live").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--requests", "0"], "expected a whole number of at least 1"),
+    (["--concurrency", "-2"], "expected a whole number of at least 1"),
+])
+def test_bad_demo_options_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "agent", "demo", "--out", str(tmp_path), *args],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_an_out_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    result = subprocess.run([sys.executable, "-m", "agent", "demo", "--out", str(afile)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"edge-agent: error: --out is not a directory (key=--out, path={afile})"]
+
+
+def test_sigterm_unwinds_the_demo(tmp_path: Path) -> None:
+    script = (
+        "import os, signal, sys, time\n"
+        "import agent.demo as demo\n"
+        "def slow(out_dir):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "demo.find_or_build_bundle = slow\n"
+        "from agent.cli import main\n"
+        f"sys.exit(main(['demo', '--out', {str(tmp_path)!r}]))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 143 and "edge-agent: terminated" in result.stderr

@@ -66,11 +66,11 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
         action.help = f"{action.help or ''} (default: {shown.replace('%', '%%')})".lstrip()
 
 
-# Commands whose work (staging directories, temporary stores) is cleaned up on the way out: a
-# SIGTERM (systemd, a CI timeout, kill) unwinds them as Ctrl-C does. serve does too while it
-# installs a bundle, then handles SIGTERM itself, by draining, once its event loop runs; demo
-# handles it throughout.
-_UNWIND_ON_SIGTERM = ("build", "bench", "bundle", "train", "serve")
+# Commands whose work (staging directories, temporary stores, the demo's daemon and shared
+# memory) is cleaned up on the way out: a SIGTERM (systemd, a CI timeout, kill) unwinds them as
+# Ctrl-C does. serve does too while it installs a bundle, then handles SIGTERM itself, by
+# draining, once its event loop runs.
+_UNWIND_ON_SIGTERM = ("build", "bench", "bundle", "train", "serve", "demo")
 
 
 class Terminated(KeyboardInterrupt):

@@ -22,10 +22,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--out", type=Path, default=Path("out/demo"), metavar="OUT",
                       help="where the bundle, its key and the daemon's state go")
-    demo.add_argument("--requests", type=int, default=360, help="images to send (max 360)")
-    demo.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
+    demo.add_argument("--requests", type=_positive, default=360,
+                      help="images to send (at most the 360 held-out ones)")
+    demo.add_argument("--concurrency", type=_positive, default=8, help="concurrent clients")
     demo.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
     demo.set_defaults(handler=run)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
