@@ -40,6 +40,7 @@ _BUNDLE_NAME = re.compile(r"^(?P<name>[a-z0-9][a-z0-9._-]*)-(?P<version>\d+)\.bu
 # No layer loses more than this fraction of its channels, so neither can the whole model.
 MAX_PRUNE_RATIO: float = PruneConfig.max_layer_ratio
 CHECK_SAMPLES = 8  # real samples a user model's export is checked on
+MAX_BATCH = 4096  # an engine profile's largest batch; far beyond any Jetson's memory already
 EXAMPLE_FRAME = (224, 224)  # the example models' deployment frame (see BuildOptions.frame_size)
 MIN_FRAME, MAX_FRAME = 8, 8192
 
@@ -95,7 +96,7 @@ class BuildOptions:
             raise ConfigError(f"prune ratio must be in [0, {MAX_PRUNE_RATIO}] (no layer may lose "
                               f"more than {MAX_PRUNE_RATIO:.0%} of its channels)", key="--prune",
                               found=self.prune_ratio)
-        if self.prune_ratio and self.prune_target_macs is not None:
+        if self.prune_ratio is not None and self.prune_target_macs is not None:
             raise ConfigError("give --prune or --prune-target-macs, not both")
         if self.onnx is not None and (self.prune_ratio or self.prune_target_macs):
             raise ConfigError("an ONNX model cannot be pruned; prune the PyTorch model instead")
@@ -112,6 +113,9 @@ class BuildOptions:
         if not 0.0 <= self.accuracy_budget <= 100.0:  # also refuses NaN
             raise ConfigError("--accuracy-budget must be in [0, 100] points",
                               key="--accuracy-budget", found=self.accuracy_budget)
+        if self.max_batch > MAX_BATCH:
+            raise ConfigError(f"--max-batch must be at most {MAX_BATCH}", key="--max-batch",
+                              found=self.max_batch)
         if not 1 <= self.opt_batch <= self.max_batch:
             raise ConfigError("need 1 <= opt batch <= max batch", opt_batch=self.opt_batch,
                               max_batch=self.max_batch)
@@ -279,7 +283,9 @@ def prune_and_finetune(model: Any, options: BuildOptions, train_split: Any, held
 
     result = prune_model(model, example, config, finetune=finetune, loss_batches=loss_batches,
                          progress=options.progress)
-    if _parameter_count(result.model) == params_before:
+    already_small = (options.prune_target_macs is not None
+                     and result.report.macs_before <= options.prune_target_macs)
+    if _parameter_count(result.model) == params_before and not already_small:
         log.warning("pruning removed no channels (every layer is already at or below what "
                     "--round-to %d and the ratio or MAC target allow): the model is unchanged",
                     options.round_to)
@@ -414,6 +420,10 @@ def _build(options: BuildOptions) -> BuildResult:
                                  meta["layouts"].get(meta["input_name"]) or "NCHW")
 
         manifest = _manifest(name, version, quantized, engines, report["accuracy"], meta, options)
+        if new_key_path is not None and new_key_path.exists():
+            # Another build into this directory made the key pair meanwhile: sign with it, as
+            # this build would have had it started later.
+            key, key_id, new_key_path = _signing_key(options)
         report.update(
             {
                 "name": name,
@@ -785,9 +795,15 @@ def check_frame_sizes(float_bytes: bytes, meta: dict[str, Any], options: BuildOp
             session.run(None, feed)
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types
             shapes = ", ".join(f"{name} {list(shape)}" for name, (shape, _) in feeds.items())
+            reason = first_line(exc)
+            if isinstance(exc, MemoryError) or "bad_alloc" in reason or "allocate" in reason:
+                raise ModelError(f"this host has not enough memory to run the model at the "
+                                 f"engine profile's {role} frame size ({shapes}); give a smaller "
+                                 "--frame-size (the largest is twice it)",
+                                 reason=reason) from None
             raise ModelError(f"the model does not run at the engine profile's {role} frame size "
                              f"({shapes}); give --frame-size with a size it accepts",
-                             reason=first_line(exc)) from None
+                             reason=reason) from None
 
 
 def _fill_fixed(meta: dict[str, Any], frame: tuple[int | None, int | None]) -> tuple[int, int]:

@@ -160,6 +160,8 @@ def prune_model(
         )
     settings = config.to_dict()
     settings["ratio_applied"] = ratio
+    if config.target_macs is not None:
+        settings["target_met"] = after.macs <= config.target_macs
     report = PruneReport.compare(
         before,
         after,
@@ -229,7 +231,8 @@ def _search_ratio(
     Bisection on copies of ``model``: the MACs fall (in steps) as the ratio grows.
     """
     if macs_before <= target:
-        log.log(level, "model has %d MACs <= target %d; nothing to prune", macs_before, target)
+        log.warning("the model needs %.3f GMACs at this input, already at most the target "
+                    "%.3f: nothing to prune", macs_before / 1e9, target / 1e9)
         return 0.0
     if gradient_batches is not None:
         # One gradient pass serves every trial: each trial copy takes the gradients along.

@@ -151,6 +151,43 @@ def test_build_without_a_key_generates_one_beside_the_bundle(tmp_path):
     open_bundle(out / f"{MODEL}-1.bundle", [load_public_key(out / "signing.key.pub")])
 
 
+def test_a_key_pair_made_meanwhile_by_another_build_is_used(tmp_path, monkeypatch):
+    # Two builds into one fresh directory without --key: the later one signed with a pair it
+    # could not write at the end ("key file already exists"), after all its work.
+    import models.pipeline as pipeline
+    from models.signing import write_keypair
+
+    out = tmp_path / "out"
+    real = pipeline._speed_report
+
+    def another_build_finishes_first(*args, **kwargs):
+        write_keypair(out / "signing.key")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_speed_report", another_build_finishes_first)
+    assert main(["build", "--model", MODEL, "--out", str(out), *FAST]) == 0
+    open_bundle(out / f"{MODEL}-1.bundle", [load_public_key(out / "signing.key.pub")])
+
+
+def test_a_frame_the_host_has_no_memory_for_is_named_as_such(monkeypatch):
+    import models.ort
+    from agent.errors import ModelError
+    from models.pipeline import BuildOptions, check_frame_sizes
+
+    class OutOfMemory:
+        def run(self, *args):
+            raise RuntimeError("onnxruntime::BFCArena: std::bad_alloc")
+
+    monkeypatch.setattr(models.ort, "create_session", lambda *args, **kwargs: OutOfMemory())
+    meta = {"input_name": "input", "inputs": [("input", "float32", (3, 32, 32))],
+            "layouts": {"input": "NCHW"}, "dynamic_hw": ["height", "width"]}
+    options = BuildOptions(out_dir=Path("out"), onnx=Path("m.onnx"), calib_dir=Path("c"),
+                           frame_size=(4096, 4096))
+    with pytest.raises(ModelError, match="not enough memory to run the model at the engine "
+                                         "profile's optimum frame size"):
+        check_frame_sizes(b"", meta, options)
+
+
 def test_a_failed_build_without_a_key_leaves_no_key_behind(tmp_path, capsys):
     out = tmp_path / "out"
     err = _fails(["build", "--onnx", str(tmp_path / "missing.onnx"), "--calib-dir", str(tmp_path),
@@ -166,6 +203,8 @@ def test_a_failed_build_without_a_key_leaves_no_key_behind(tmp_path, capsys):
     (["--prune-target-macs", "-1"], "--prune-target-macs must be a positive"),
     (["--prune", "0.95"], "prune ratio must be in [0, 0.9]"),
     (["--prune", "0.5", "--prune-target-macs", "0.5"], "not both"),
+    (["--prune", "0", "--prune-target-macs", "0.5"], "not both"),
+    (["--max-batch", "5000"], "--max-batch must be at most 4096"),
     (["--accuracy-budget", "-1"], "--accuracy-budget must be in [0, 100]"),
     (["--accuracy-budget", "nan"], "--accuracy-budget must be in [0, 100]"),
     (["--calib-dir", "."], "--calib-dir is for --user-model and --onnx"),

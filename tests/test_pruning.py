@@ -442,12 +442,17 @@ def test_target_macs_lands_at_or_below_the_target():
     assert result.report.macs_after > target * 0.6  # the search does not overshoot wildly
     assert 0.0 < result.ratio < 0.9
     assert result.report.settings["ratio_applied"] == result.ratio
+    assert result.report.settings["target_met"] is True
 
 
-def test_target_macs_already_met_prunes_nothing():
+def test_target_macs_already_met_prunes_nothing(caplog):
     model = random_small_cnn()
-    result = prune_model(model, small_input(), PruneConfig(target_macs=10**12), progress=False)
+    with caplog.at_level("WARNING", logger="pruning"):
+        result = prune_model(model, small_input(), PruneConfig(target_macs=10**12),
+                             progress=False)
     assert result.ratio == 0.0
+    assert result.report.settings["target_met"] is True
+    assert "already at most the target" in caplog.text  # said, not left to a debug line
     assert result.report.macs_after == result.report.macs_before
 
 

@@ -41,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--prune", type=float, metavar="RATIO", dest="prune_ratio",
                        help="fraction of channels to remove, in [0, 0.9]")
     build.add_argument("--prune-target-macs", type=float, metavar="GMACS",
-                       help="prune until the model needs at most this many GMACs at 224x224")
+                       help="prune until the model needs at most this many GMACs at the "
+                            "deployment frame (--frame-size; 224x224 for the example models)")
     # The pruning settings default to None so that giving one without pruning can be pointed out;
     # None becomes BuildOptions' default.
     build.add_argument("--importance", choices=("l1", "l2", "taylor"), help="default: l2")
