@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import shutil
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from agent.deps import require
-from agent.errors import AgentError, ConfigError, InputError
+from agent.errors import AgentError, ConfigError, InputError, Terminated
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,30 @@ def _lock_out_dir(out_dir: Path) -> int:
     return fd
 
 
+def _clear_state_dir(state_dir: Path) -> None:
+    """Remove the last run's model store, unless a process holds its lock (``edge-agent serve
+    --state-dir`` on it): the demo's store is its own, but it must not pull one from under a
+    daemon."""
+    import fcntl
+
+    from agent.store import LOCK_FILE
+
+    lock_path = state_dir / LOCK_FILE
+    if not lock_path.is_file():
+        shutil.rmtree(state_dir, ignore_errors=True)
+        return
+    fd = os.open(lock_path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AgentError("the demo's model store is in use by another edge-agent process",
+                             path=state_dir) from None
+        shutil.rmtree(state_dir, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
 def _run_demo(options: DemoOptions, out_dir: Path) -> int:
     from agent.backends import resolve_backend_name
     from agent.config import load_config
@@ -231,7 +256,7 @@ def _run_demo(options: DemoOptions, out_dir: Path) -> int:
 
     bundle, public_key = find_or_build_bundle(out_dir)
     state_dir = out_dir / "state"
-    shutil.rmtree(state_dir, ignore_errors=True)  # a fresh store each run: the demo installs
+    _clear_state_dir(state_dir)  # a fresh store each run: the demo installs
     config = load_config(None, env={}, overrides={
         "state_dir": state_dir, "http.port": 0, "trust.public_keys": [public_key],
         "serving.backend": options.backend})
@@ -244,6 +269,10 @@ def _run_demo(options: DemoOptions, out_dir: Path) -> int:
     input_name = artifacts.manifest["inputs"][0]["name"]
 
     async def main() -> dict[str, Any]:
+        # SIGTERM cancels this task, so that the finally below drains the daemon (asyncio does
+        # so for Ctrl-C; a SIGTERM raised anywhere in the loop would skip it).
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
         port = await daemon.start(artifacts)  # current once it serves
         base = f"http://127.0.0.1:{port}"
         print(f"daemon serving KServe v2 on {base}")
@@ -265,7 +294,10 @@ def _run_demo(options: DemoOptions, out_dir: Path) -> int:
         return {"predictions": predictions, "latencies": latencies, "wall_s": wall_s,
                 "shm": shm_predictions, "metrics": metrics_text, "stats": stats}
 
-    result = asyncio.run(main())
+    try:
+        result = asyncio.run(main())
+    except asyncio.CancelledError:
+        raise Terminated() from None
     predictions, latencies = result["predictions"], result["latencies"]
     correct = int((predictions == labels).sum())
     print("\nfirst predictions (label -> predicted):",

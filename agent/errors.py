@@ -123,5 +123,10 @@ class MissingDependencyError(AgentError):
         self.extra = extra
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that ``finally`` blocks run as for Ctrl-C (the
+    CLI's handler raises it; code running an event loop turns the signal into it)."""
+
+
 class InternalError(Exception):
     """A bug in this project, not a problem with the user's input."""

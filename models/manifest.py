@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -93,7 +94,7 @@ def parse_manifest_bytes(data: bytes) -> dict[str, Any]:
     """
     try:
         manifest = json.loads(data.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys,
-                              parse_constant=_reject_constant)
+                              parse_constant=_reject_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError) as exc:
         raise BundleError("manifest.json is not valid UTF-8 JSON", reason=str(exc)) from exc
     except RecursionError:
@@ -109,6 +110,13 @@ MAX_MANIFEST_DEPTH = 32
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 is a valid literal that no float holds
+        raise ValueError(f"{text} is out of range for a float")
+    return value
 
 
 def _check_plain(manifest: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from agent import __version__
-from agent.errors import ConfigError, ModelError, PruningError, first_line
+from agent.errors import ConfigError, KeyFileError, ModelError, PruningError, first_line
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
 from models.bundle import pack_bundle
 from models.manifest import MAX_NAME_LENGTH, MAX_VERSION
@@ -186,6 +186,11 @@ def _signing_key(options: BuildOptions) -> tuple[Any, str, Path | None]:
     default = options.out_dir / "signing.key"
     if default.exists():
         key = signing.load_private_key(default)
+        public = signing.public_key_path(default)
+        if not public.exists():  # devices need it; it follows from the private key
+            with contextlib.suppress(KeyFileError):  # another build wrote it meanwhile
+                signing.write_public_key(public, key.public_key())
+                log.info("wrote the missing public key %s", public)
         return key, signing.compute_key_id(key.public_key()), None
     if signing.public_key_path(default).exists():
         raise ConfigError("the output directory has a public key but no private key to sign "
@@ -420,28 +425,29 @@ def _build(options: BuildOptions) -> BuildResult:
                                  meta["layouts"].get(meta["input_name"]) or "NCHW")
 
         manifest = _manifest(name, version, quantized, engines, report["accuracy"], meta, options)
-        if new_key_path is not None and new_key_path.exists():
-            # Another build into this directory made the key pair meanwhile: sign with it, as
-            # this build would have had it started later.
-            key, key_id, new_key_path = _signing_key(options)
-        report.update(
-            {
-                "name": name,
-                "version": version,
-                "source": meta["source"],
-                "signing_key_id": key_id,
-                "timings_s": stages.seconds,
-                "timings_within": stages.within,
-            }
-        )
-        report["timings_s"]["total"] = round(time.perf_counter() - started, 2)
-        report_text = json.dumps(report, indent=2, sort_keys=True, default=_json_default) + "\n"
-        (work / "report.json").write_text(report_text)
-        files["report.json"] = work / "report.json"
-
         if new_key_path is not None:
-            _write_new_key(key, new_key_path)
+            try:  # created exclusively: of two builds into one directory, one makes the pair
+                _write_new_key(key, new_key_path)
+            except KeyFileError:
+                # Another build into this directory made it meanwhile: sign with that one, as
+                # this build would have had it started later.
+                key, key_id, new_key_path = _signing_key(options)
         try:
+            report.update(
+                {
+                    "name": name,
+                    "version": version,
+                    "source": meta["source"],
+                    "signing_key_id": key_id,
+                    "timings_s": stages.seconds,
+                    "timings_within": stages.within,
+                }
+            )
+            report["timings_s"]["total"] = round(time.perf_counter() - started, 2)
+            report_text = json.dumps(report, indent=2, sort_keys=True,
+                                     default=_json_default) + "\n"
+            (work / "report.json").write_text(report_text)
+            files["report.json"] = work / "report.json"
             final_manifest = pack_bundle(bundle_path, manifest, files, key, overwrite=False)
         except BaseException:
             if new_key_path is not None:  # a failed build leaves no key behind
@@ -789,9 +795,9 @@ def check_frame_sizes(float_bytes: bytes, meta: dict[str, Any], options: BuildOp
     for role, index in (("optimum", 1), ("largest", 2)):
         frame = (profile.get("height", [None] * 3)[index], profile.get("width", [None] * 3)[index])
         feeds = _frame_inputs(meta, 1, _fill_fixed(meta, frame))
-        feed = {name: rng.standard_normal(shape).astype(dtype)
-                for name, (shape, dtype) in feeds.items()}
         try:
+            feed = {name: rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
+                    for name, (shape, dtype) in feeds.items()}
             session.run(None, feed)
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types
             shapes = ", ".join(f"{name} {list(shape)}" for name, (shape, _) in feeds.items())

@@ -145,7 +145,8 @@ def write_public_key(path: Path, public_key: Ed25519PublicKey, *, overwrite: boo
 
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
-    """Load an Ed25519 private key from a PKCS8 PEM file.
+    """Load an Ed25519 private key from a PKCS8 PEM file (or an unencrypted OpenSSH one, as
+    ``ssh-keygen -t ed25519`` writes).
 
     Raises:
         KeyFileError: the file is missing or unreadable, is not PEM, holds a public key, is
@@ -154,11 +155,15 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
     path = Path(path)
     data = _read_key_file(path)
     label = _pem_label(path, data)
-    if label == "OPENSSH PRIVATE KEY":
-        raise KeyFileError("an OpenSSH-format key; convert it to PKCS8 PEM with "
-                           "'ssh-keygen -p -m PKCS8 -f FILE', or make one with "
-                           "'edge-agent bundle keygen'", path=path)
     _check_one_block(path, data)
+    if label == "OPENSSH PRIVATE KEY":  # ssh-keygen -t ed25519 writes this format
+        try:
+            key = serialization.load_ssh_private_key(data, password=None)
+        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+            raise KeyFileError("cannot parse OpenSSH private key (encrypted ones are not "
+                               "supported)", path=path, reason=str(exc)) from exc
+        _warn_if_others_can_read(path)
+        return _ed25519_private(key, path)
     if "PUBLIC" in label:
         raise KeyFileError(
             "key file holds a public key; a private key is needed here", path=path, found=label
@@ -170,6 +175,10 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
     except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise KeyFileError("cannot parse private key", path=path, reason=str(exc)) from exc
     _warn_if_others_can_read(path)
+    return _ed25519_private(key, path)
+
+
+def _ed25519_private(key: object, path: Path) -> Ed25519PrivateKey:
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(
             "key is not an Ed25519 private key",
@@ -181,7 +190,8 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
 
 
 def load_public_key(path: Path) -> Ed25519PublicKey:
-    """Load an Ed25519 public key from a SubjectPublicKeyInfo PEM file.
+    """Load an Ed25519 public key from a SubjectPublicKeyInfo PEM file (or an OpenSSH
+    ``ssh-ed25519 ...`` line).
 
     Raises:
         KeyFileError: the file is missing or unreadable, is not PEM, holds a private key, or holds
@@ -189,9 +199,16 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     """
     path = Path(path)
     data = _read_key_file(path)
-    if data.lstrip().startswith(b"ssh-ed25519 "):
-        raise KeyFileError("an OpenSSH-format public key; convert it to PEM with "
-                           "'ssh-keygen -e -m PKCS8 -f FILE'", path=path)
+    if data.lstrip().startswith(b"ssh-"):  # an OpenSSH public key line (id_ed25519.pub)
+        try:
+            ssh_key = serialization.load_ssh_public_key(data.strip())
+        except (ValueError, UnsupportedAlgorithm) as exc:
+            raise KeyFileError("cannot parse OpenSSH public key", path=path,
+                               reason=str(exc)) from exc
+        if not isinstance(ssh_key, Ed25519PublicKey):
+            raise KeyFileError("key is not an Ed25519 public key", path=path,
+                               expected="Ed25519PublicKey", found=type(ssh_key).__name__)
+        return ssh_key
     # Any PRIVATE block counts, not only the first: a private key may follow the public one.
     label = next((found.decode("ascii") for found in _PEM_LABEL.findall(data)
                   if b"PRIVATE" in found), None) or _pem_label(path, data)
@@ -356,6 +373,12 @@ def _write_key_file(path: Path, data: bytes, *, mode: int, overwrite: bool) -> N
     if not overwrite and path.exists():
         raise KeyFileError("key file already exists", path=path)
     try:
-        atomic_write_bytes(path, data, mode=mode)
+        if overwrite:
+            atomic_write_bytes(path, data, mode=mode)
+        else:  # exclusive: a file another process wrote meanwhile is never replaced
+            with atomic_output_file(path, mode=mode, exclusive=True) as temporary:
+                temporary.write_bytes(data)
+    except FileExistsError:
+        raise KeyFileError("key file already exists", path=path) from None
     except OSError as exc:
         raise KeyFileError("cannot write key file", path=path, reason=exc.strerror) from exc

@@ -554,6 +554,7 @@ def test_inspect_escapes_an_unverified_manifest(
     ('{"a": ' * 40 + "1" + "}" * 40, "nested too deeply"),
     ('{"name": "x", "note": "\\ud800"}', "lone surrogate"),
     ('{"name": "x", "top1": NaN}', "NaN is not a JSON number"),
+    ('{"name": "x", "top1": 1e999}', "1e999 is out of range"),
 ])
 def test_a_manifest_the_writer_could_not_write_back_is_refused_on_read(text: str,
                                                                        message: str) -> None:

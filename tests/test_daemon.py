@@ -242,6 +242,14 @@ def test_bench_serve_refuses_durations_that_never_end(tmp_path: Path, field: str
         ServeBenchOptions(bundle=tmp_path / "b", public_keys=(), **{field: value})
 
 
+def test_bench_serve_refuses_a_window_too_short_to_measure(tmp_path: Path) -> None:
+    from agent.bench_serve import ServeBenchOptions
+    from agent.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--duration must be at least 0.5 s"):
+        ServeBenchOptions(bundle=tmp_path / "b", public_keys=(), duration_s=0.1)
+
+
 def test_bench_refuses_a_json_path_it_could_not_write_before_measuring(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from agent.cli import main

@@ -109,3 +109,61 @@ def test_sigterm_unwinds_the_demo(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=60, check=False)
     assert result.returncode == 143 and "edge-agent: terminated" in result.stderr
+
+
+def test_the_demo_does_not_clear_a_store_that_serve_is_using(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    from agent.demo import DemoOptions, run_demo
+    from agent.errors import AgentError
+    from models.signing import write_keypair
+
+    write_keypair(tmp_path / "signing.key")
+    (tmp_path / "resnet18-digits-1.bundle").write_bytes(b"never read: the store is busy")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "live").write_text("a daemon's store")
+    fd = os.open(state / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as `edge-agent serve --state-dir OUT/state` holds it
+        with pytest.raises(AgentError, match="model store is in use by another"):
+            run_demo(DemoOptions(out_dir=tmp_path))
+    finally:
+        os.close(fd)
+    assert (state / "live").exists()
+
+
+def test_sigterm_while_the_demo_serves_drains_its_daemon(tmp_path: Path) -> None:
+    script = (
+        "import asyncio, os, signal, sys\n"
+        "from pathlib import Path\n"
+        "import agent.demo as demo\n"
+        "from models.signing import write_public_key\n"
+        "from tests.tiny_models import make_bundle\n"
+        f"out = Path({str(tmp_path)!r})\n"
+        "bundle, key = make_bundle(out, name='resnet18-digits')\n"
+        "write_public_key(out / 'signing.key.pub', key.public_key())\n"
+        "demo.find_or_build_bundle = lambda out_dir: (bundle, out / 'signing.key.pub')\n"
+        "async def killer():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # lands inside another task of the loop\n"
+        "    await asyncio.sleep(1)\n"
+        "async def terminated_meanwhile(*args):\n"
+        "    asyncio.ensure_future(killer())\n"
+        "    await asyncio.sleep(10)\n"
+        "demo._send_all = terminated_meanwhile\n"
+        "from agent.cli import main\n"
+        f"sys.exit(main(['demo', '--out', {str(tmp_path)!r}]))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, check=False, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 143, result.stderr
+    assert "edge-agent: terminated" in result.stderr and "Traceback" not in result.stderr
+    # The daemon was stopped (its store's lock is free) and the model had become current.
+    import fcntl
+    import os
+
+    fd = os.open(tmp_path / "state" / "lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)

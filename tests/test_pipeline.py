@@ -169,6 +169,18 @@ def test_a_key_pair_made_meanwhile_by_another_build_is_used(tmp_path, monkeypatc
     open_bundle(out / f"{MODEL}-1.bundle", [load_public_key(out / "signing.key.pub")])
 
 
+def test_a_missing_public_key_beside_the_directorys_key_is_written(tmp_path):
+    # The demo rebuilds with OUT/signing.key when the .pub went missing: without the .pub,
+    # nothing could verify the new bundle.
+    from models.signing import generate_private_key, write_private_key
+
+    out = tmp_path / "out"
+    out.mkdir()
+    write_private_key(out / "signing.key", generate_private_key())
+    assert main(["build", "--model", MODEL, "--out", str(out), *FAST]) == 0
+    open_bundle(out / f"{MODEL}-1.bundle", [load_public_key(out / "signing.key.pub")])
+
+
 def test_a_frame_the_host_has_no_memory_for_is_named_as_such(monkeypatch):
     import models.ort
     from agent.errors import ModelError

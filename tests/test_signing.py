@@ -121,16 +121,25 @@ def test_a_file_that_is_not_pem_is_refused(tmp_path: Path) -> None:
         assert excinfo.value.fields["path"] == not_pem
 
 
-def test_openssh_keys_are_named_with_how_to_convert_them(tmp_path: Path) -> None:
-    public = tmp_path / "id_ed25519.pub"
-    public.write_bytes(b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAA user@host\n")
-    with pytest.raises(KeyFileError, match="OpenSSH-format public key.*ssh-keygen -e -m PKCS8"):
-        load_public_key(public)
+def test_openssh_ed25519_keys_load(tmp_path: Path) -> None:
+    # What `ssh-keygen -t ed25519` writes; its conversion options do not apply to Ed25519.
+    from cryptography.hazmat.primitives import serialization
+
+    key = generate_private_key()
     private = tmp_path / "id_ed25519"
-    private.write_bytes(b"-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n"
-                        b"-----END OPENSSH PRIVATE KEY-----\n")
-    with pytest.raises(KeyFileError, match="OpenSSH-format key.*ssh-keygen -p -m PKCS8"):
-        load_private_key(private)
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.OpenSSH,
+                                          serialization.NoEncryption()))
+    private.chmod(0o600)
+    public = tmp_path / "id_ed25519.pub"
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                     serialization.PublicFormat.OpenSSH)
+                       + b" user@host\n")
+    assert compute_key_id(load_private_key(private).public_key()) == compute_key_id(
+        load_public_key(public)) == compute_key_id(key.public_key())
+    public.write_bytes(b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAA user@host\n")  # cut short
+    with pytest.raises(KeyFileError, match="cannot parse OpenSSH public key"):
+        load_public_key(public)
 
 
 def test_a_key_file_of_several_keys_is_refused(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from agent import __version__
-from agent.errors import AgentError
+from agent.errors import AgentError, Terminated
 from agent.log import configure_logging
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,6 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 # Ctrl-C does. serve does too while it installs a bundle, then handles SIGTERM itself, by
 # draining, once its event loop runs.
 _UNWIND_ON_SIGTERM = ("build", "bench", "bundle", "train", "serve", "demo")
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so that ``finally`` blocks run."""
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
