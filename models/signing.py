@@ -158,12 +158,12 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
     _check_one_block(path, data)
     if label == "OPENSSH PRIVATE KEY":  # ssh-keygen -t ed25519 writes this format
         try:
-            key = serialization.load_ssh_private_key(data, password=None)
+            ssh_key = serialization.load_ssh_private_key(data, password=None)
         except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
             raise KeyFileError("cannot parse OpenSSH private key (encrypted ones are not "
                                "supported)", path=path, reason=str(exc)) from exc
         _warn_if_others_can_read(path)
-        return _ed25519_private(key, path)
+        return _ed25519_private(ssh_key, path)
     if "PUBLIC" in label:
         raise KeyFileError(
             "key file holds a public key; a private key is needed here", path=path, found=label

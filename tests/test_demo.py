@@ -135,6 +135,7 @@ def test_the_demo_does_not_clear_a_store_that_serve_is_using(tmp_path: Path) -> 
 
 
 def test_sigterm_while_the_demo_serves_drains_its_daemon(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")  # the demo's images: the digits set (host extra)
     script = (
         "import asyncio, os, signal, sys\n"
         "from pathlib import Path\n"
