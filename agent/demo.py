@@ -14,7 +14,6 @@ import json
 import logging
 import mmap
 import os
-import shutil
 import signal
 import time
 import uuid
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from agent.deps import require
-from agent.errors import AgentError, ConfigError, InputError, Terminated
+from agent.errors import AgentError, ConfigError, InputError, StoreError, Terminated
 
 log = logging.getLogger(__name__)
 
@@ -229,24 +228,15 @@ def _clear_state_dir(state_dir: Path) -> None:
     """Remove the last run's model store, unless a process holds its lock (``edge-agent serve
     --state-dir`` on it): the demo's store is its own, but it must not pull one from under a
     daemon."""
-    import fcntl
+    from agent.store import remove_store
 
-    from agent.store import LOCK_FILE
-
-    lock_path = state_dir / LOCK_FILE
-    if not lock_path.is_file():
-        shutil.rmtree(state_dir, ignore_errors=True)
-        return
-    fd = os.open(lock_path, os.O_RDONLY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise AgentError("the demo's model store is in use by another edge-agent process",
-                             path=state_dir) from None
-        shutil.rmtree(state_dir, ignore_errors=True)
-    finally:
-        os.close(fd)
+        remove_store(state_dir)
+    except StoreError as exc:
+        if exc.fields.get("pid") is None:  # not held by another process: the lock failed
+            raise
+        raise AgentError("the demo's model store is in use by another edge-agent process",
+                         path=state_dir, pid=exc.fields["pid"]) from None
 
 
 def _run_demo(options: DemoOptions, out_dir: Path) -> int:

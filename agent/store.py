@@ -633,6 +633,22 @@ _held: dict[str, list[int]] = {}  # real path -> [fd, users]
 _held_guard = threading.Lock()
 
 
+def remove_store(state_dir: Path) -> None:
+    """Delete a model store's state directory (nothing when there is none), under its lock.
+
+    Raises:
+        StoreError: another edge-agent process holds the directory (``pid`` names it), or its
+            lock cannot be taken.
+    """
+    if not Path(state_dir).is_dir():
+        return
+    key = _lock_state_dir(Path(state_dir))
+    try:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    finally:
+        _unlock_state_dir(key)
+
+
 def _lock_state_dir(state_dir: Path) -> str:
     key = os.path.realpath(state_dir)
     path = os.path.join(key, LOCK_FILE)

@@ -728,21 +728,29 @@ def frame_size(meta: dict[str, Any], options: BuildOptions) -> tuple[int, int] |
     """The deployment frame (height, width) of a model whose first input takes any size, else
     None (see :attr:`BuildOptions.frame_size`): the given one, 224 x 224 for the example models,
     or the calibration samples' size."""
-    from models.onnx_model import spatial_axes
-
-    axes = spatial_axes(meta["layouts"].get(meta["input_name"]))
-    if not meta["dynamic_hw"] or axes is None:
+    calibrated = _calibrated_frame(meta)
+    if not meta["dynamic_hw"] or calibrated is None:
         return None
     if options.frame_size is not None:
         return (int(options.frame_size[0]), int(options.frame_size[1]))
     if options.model is not None:
         return EXAMPLE_FRAME
-    sample = _sample_shape(meta, meta["input_name"])
-    return (int(sample[axes[0] - 1]), int(sample[axes[1] - 1]))  # the sample has no batch axis
+    return calibrated
 
 
 def _sample_shape(meta: dict[str, Any], name: str) -> tuple[int, ...]:
     return next(tuple(shape) for input_name, _, shape in meta["inputs"] if input_name == name)
+
+
+def _calibrated_frame(meta: dict[str, Any]) -> tuple[int, int] | None:
+    """The first input's height and width in the calibration samples; None when it is no image."""
+    from models.onnx_model import spatial_axes
+
+    axes = spatial_axes(meta["layouts"].get(meta["input_name"]))
+    if axes is None:
+        return None
+    sample = _sample_shape(meta, meta["input_name"])  # no batch axis: one less than the input's
+    return int(sample[axes[0] - 1]), int(sample[axes[1] - 1])
 
 
 def _check_frame_option(meta: dict[str, Any], options: BuildOptions) -> None:
@@ -753,16 +761,15 @@ def _check_frame_option(meta: dict[str, Any], options: BuildOptions) -> None:
                           shape=list(_sample_shape(meta, meta["input_name"])))
 
 
-def _frame_inputs(meta: dict[str, Any], batch: int,
-                  frame: tuple[int, int] | None) -> dict[str, tuple[tuple[int, ...], str]]:
+def _frame_inputs(meta: dict[str, Any], batch: int, frame: tuple[int | None, int | None] | None
+                  ) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every input's shape and dtype for ``batch`` samples at ``frame``: the calibration samples'
     shape, with the dynamic height and width of the first input, and of every other image input
-    calibrated at the same size as it (an aligned depth map, a mask), set to ``frame``."""
+    calibrated at the same size as it (an aligned depth map, a mask), set to ``frame`` (whose
+    entry for a fixed axis is not used)."""
     from models.onnx_model import spatial_axes
 
-    first_axes = spatial_axes(meta["layouts"].get(meta["input_name"]))
-    first = _sample_shape(meta, meta["input_name"])
-    first_hw = tuple(first[axis - 1] for axis in first_axes) if first_axes else None
+    first_hw = _calibrated_frame(meta)
     feeds = {}
     for name, dtype, sample_shape in meta["inputs"]:
         shape = [batch, *sample_shape]
@@ -770,7 +777,7 @@ def _frame_inputs(meta: dict[str, Any], batch: int,
         if frame is not None and axes is not None and first_hw is not None and tuple(
                 sample_shape[axis - 1] for axis in axes) == first_hw:
             for axis_name, axis, side in zip(("height", "width"), axes, frame):
-                if axis_name in meta["dynamic_hw"]:
+                if axis_name in meta["dynamic_hw"] and side is not None:
                     shape[axis] = side
         feeds[name] = (tuple(shape), dtype)
     return feeds
@@ -794,7 +801,7 @@ def check_frame_sizes(float_bytes: bytes, meta: dict[str, Any], options: BuildOp
     rng = np.random.default_rng(0)
     for role, index in (("optimum", 1), ("largest", 2)):
         frame = (profile.get("height", [None] * 3)[index], profile.get("width", [None] * 3)[index])
-        feeds = _frame_inputs(meta, 1, _fill_fixed(meta, frame))
+        feeds = _frame_inputs(meta, 1, frame)
         try:
             feed = {name: rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
                     for name, (shape, dtype) in feeds.items()}
@@ -810,18 +817,6 @@ def check_frame_sizes(float_bytes: bytes, meta: dict[str, Any], options: BuildOp
             raise ModelError(f"the model does not run at the engine profile's {role} frame size "
                              f"({shapes}); give --frame-size with a size it accepts",
                              reason=reason) from None
-
-
-def _fill_fixed(meta: dict[str, Any], frame: tuple[int | None, int | None]) -> tuple[int, int]:
-    """``frame`` with a fixed height or width (None in a profile) taken from the first input."""
-    from models.onnx_model import spatial_axes
-
-    axes = spatial_axes(meta["layouts"].get(meta["input_name"]))
-    assert axes is not None  # only called for models with a dynamic height or width
-    sample = _sample_shape(meta, meta["input_name"])
-    height, width = frame
-    return (height if height is not None else int(sample[axes[0] - 1]),
-            width if width is not None else int(sample[axes[1] - 1]))
 
 
 def _speed_report(float_bytes: bytes, int8_bytes: bytes, meta: dict[str, Any],
@@ -849,17 +844,12 @@ def _engine_profile(meta: dict[str, Any], options: BuildOptions) -> dict[str, li
     one of height and width from the smaller of the calibration and deployment sizes to the larger
     of twice the deployment size and the calibration size, tuned at the deployment size
     (:func:`frame_size`)."""
-    from models.onnx_model import spatial_axes
-
     profile = {"batch": [1, options.opt_batch, options.max_batch]}
-    frame = frame_size(meta, options)
-    axes = spatial_axes(meta["layouts"].get(meta["input_name"]))
-    if frame is None or axes is None:
+    frame, calibrated_frame = frame_size(meta, options), _calibrated_frame(meta)
+    if frame is None or calibrated_frame is None:
         return profile
-    sample = _sample_shape(meta, meta["input_name"])
-    for axis_name, axis, deployed in zip(("height", "width"), axes, frame):
+    for axis_name, deployed, calibrated in zip(("height", "width"), frame, calibrated_frame):
         if axis_name in meta["dynamic_hw"]:
-            calibrated = int(sample[axis - 1])  # the sample has no batch axis
             profile[axis_name] = [min(calibrated, deployed), deployed,
                                   max(2 * deployed, calibrated)]
     return profile
