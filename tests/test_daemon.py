@@ -190,7 +190,7 @@ def test_print_config_names_every_section_and_hides_the_token(tmp_path: Path) ->
 
 
 def test_bench_serve_runs_end_to_end(tmp_path: Path, signed: tuple[Path, Path, Any]) -> None:
-    from agent.bench_serve import ServeBenchOptions, run_bench
+    from agent.tooling.bench_serve import ServeBenchOptions, run_bench
 
     bundle, public_key, _ = signed
     summary = run_bench(ServeBenchOptions(
@@ -216,7 +216,7 @@ def test_bench_serve_runs_end_to_end(tmp_path: Path, signed: tuple[Path, Path, A
 
 def test_bench_serve_refuses_frames_larger_than_the_daemon_accepts(
         tmp_path: Path, signed: tuple[Path, Path, Any]) -> None:
-    from agent.bench_serve import ServeBenchOptions, run_bench
+    from agent.tooling.bench_serve import ServeBenchOptions, run_bench
     from agent.errors import ConfigError
 
     bundle, public_key, _ = signed
@@ -235,7 +235,7 @@ def test_bench_serve_refuses_frames_larger_than_the_daemon_accepts(
                                               ("warmup_s", float("nan"))])
 def test_bench_serve_refuses_durations_that_never_end(tmp_path: Path, field: str,
                                                       value: float) -> None:
-    from agent.bench_serve import ServeBenchOptions
+    from agent.tooling.bench_serve import ServeBenchOptions
     from agent.errors import ConfigError
 
     with pytest.raises(ConfigError, match="finite|at least"):
@@ -243,7 +243,7 @@ def test_bench_serve_refuses_durations_that_never_end(tmp_path: Path, field: str
 
 
 def test_bench_serve_refuses_a_window_too_short_to_measure(tmp_path: Path) -> None:
-    from agent.bench_serve import ServeBenchOptions
+    from agent.tooling.bench_serve import ServeBenchOptions
     from agent.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--duration must be at least 0.5 s"):
@@ -349,7 +349,7 @@ def test_sigterm_while_starting_ends_the_start_and_frees_the_store(
     ([{"name": "x", "shape": [-1, 32, 32, 3], "layout": "NHWC"}], 32, (32, 32, 3)),
 ])
 def test_bench_serve_frames_follow_the_models_input(inputs, size, expected) -> None:
-    from agent.bench_serve import _sample_shape
+    from agent.tooling.bench_serve import _sample_shape
 
     assert _sample_shape({"inputs": inputs}, size) == expected
 
@@ -363,7 +363,7 @@ def test_bench_serve_frames_follow_the_models_input(inputs, size, expected) -> N
      "several inputs"),
 ])
 def test_bench_serve_refuses_frames_it_cannot_send(inputs, size, message) -> None:
-    from agent.bench_serve import _sample_shape
+    from agent.tooling.bench_serve import _sample_shape
     from agent.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
@@ -375,7 +375,7 @@ def test_bench_serve_stops_when_every_request_fails(tmp_path: Path,
     """A daemon that answers every request with an error (here: every request's deadline of 1 us
     passes in the queue) stops the benchmark at the first level, with the error counts and the
     daemon's log."""
-    from agent.bench_serve import ServeBenchOptions, run_bench
+    from agent.tooling.bench_serve import ServeBenchOptions, run_bench
     from agent.errors import AgentError
 
     bundle, public_key, _ = signed
@@ -395,7 +395,7 @@ def test_bench_serve_sends_the_configured_token(tmp_path: Path,
                                                 signed: tuple[Path, Path, Any]) -> None:
     # A production configuration has a bearer token: the load generator sends it (every
     # request was a 401 before), and the daemon listens on loopback whatever http.host says.
-    from agent.bench_serve import ServeBenchOptions, run_bench
+    from agent.tooling.bench_serve import ServeBenchOptions, run_bench
 
     bundle, public_key, _ = signed
     token = tmp_path / "token"
@@ -417,7 +417,7 @@ def test_bench_serve_sends_the_configured_token(tmp_path: Path,
     ({}, 224),
 ])
 def test_bench_serve_frames_default_to_224_or_the_profiles_optimum(profile, expected) -> None:
-    from agent.bench_serve import _default_size
+    from agent.tooling.bench_serve import _default_size
 
     assert _default_size({"engine_profile": profile}) == expected
 

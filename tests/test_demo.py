@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.demo import expected_accuracy
+from agent.tooling.demo import expected_accuracy
 
 ACCURACY = {"metric": "top1", "int8": 98.889, "int8_onnxruntime_served": 98.333}
 
@@ -47,7 +47,7 @@ def test_demo_builds_serves_and_reports(tmp_path: Path) -> None:
 
 
 def test_a_bundle_without_its_public_key_is_refused_not_rebuilt(tmp_path: Path) -> None:
-    from agent.demo import DemoOptions, run_demo
+    from agent.tooling.demo import DemoOptions, run_demo
     from agent.errors import ConfigError
 
     (tmp_path / "resnet18-digits-1.bundle").write_bytes(b"a bundle whose key went missing")
@@ -61,7 +61,7 @@ def test_a_second_demo_in_the_same_directory_is_refused(tmp_path: Path) -> None:
     import fcntl
     import os
 
-    from agent.demo import DemoOptions, run_demo
+    from agent.tooling.demo import DemoOptions, run_demo
     from agent.errors import AgentError
 
     (tmp_path / "state").mkdir()
@@ -99,7 +99,7 @@ def test_an_out_that_is_a_file_is_one_line(tmp_path: Path) -> None:
 def test_sigterm_unwinds_the_demo(tmp_path: Path) -> None:
     script = (
         "import os, signal, sys, time\n"
-        "import agent.demo as demo\n"
+        "import agent.tooling.demo as demo\n"
         "def slow(out_dir):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(5)\n"
@@ -115,7 +115,7 @@ def test_the_demo_does_not_clear_a_store_that_serve_is_using(tmp_path: Path) -> 
     import fcntl
     import os
 
-    from agent.demo import DemoOptions, run_demo
+    from agent.tooling.demo import DemoOptions, run_demo
     from agent.errors import AgentError
     from models.signing import write_keypair
 
@@ -139,7 +139,7 @@ def test_sigterm_while_the_demo_serves_drains_its_daemon(tmp_path: Path) -> None
     script = (
         "import asyncio, os, signal, sys\n"
         "from pathlib import Path\n"
-        "import agent.demo as demo\n"
+        "import agent.tooling.demo as demo\n"
         "from models.signing import write_public_key\n"
         "from tests.tiny_models import make_bundle\n"
         f"out = Path({str(tmp_path)!r})\n"

@@ -1,4 +1,4 @@
-"""The load generator's HTTP/1.1 client (agent/httpconn.py) against a raw socket server whose
+"""The load generator's HTTP/1.1 client (agent.tooling.httpconn) against a raw socket server whose
 bytes each test scripts: framing, keep-alive and close, bad answers, timeouts."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("httptools")
 
 from agent.errors import ConfigError
-from agent.httpconn import ConnectionPool, Endpoint, ResponseError, prepare
+from agent.tooling.httpconn import ConnectionPool, Endpoint, ResponseError, prepare
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Tag: a\r\n\r\nhello"
 

@@ -22,7 +22,7 @@ import pytest
 web = pytest.importorskip("aiohttp.web")
 
 from agent.errors import ConfigError  # noqa: E402
-from agent.loadgen import (  # noqa: E402
+from agent.tooling.loadgen import (  # noqa: E402
     HEADER_LENGTH,
     LoadResult,
     Target,
@@ -449,7 +449,7 @@ def test_cpu_seconds_counts_live_processes_and_skips_gone_ones() -> None:
     import os
     import time
 
-    from agent.loadgen import cpu_seconds
+    from agent.tooling.loadgen import cpu_seconds
 
     before = cpu_seconds([os.getpid()])
     deadline = time.process_time() + 0.05

@@ -1,4 +1,4 @@
-"""Serve an ONNX model with PyTriton (Triton's dynamic batcher) and load it with agent/loadgen.py.
+"""Serve an ONNX model with PyTriton (Triton's dynamic batcher) and load it with agent.tooling.loadgen.
 
 The Triton side of ``edge-agent bench serve``: the ONNX Runtime session our daemon's backend
 creates (``models.ort.create_session``, which keeps INT8 QDQ convolutions fused), bound as a
@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from agent.loadgen import (  # noqa: E402
+from agent.tooling.loadgen import (  # noqa: E402
     LoadResult,
     Target,
     cpu_seconds,

@@ -102,7 +102,7 @@ def register_serve(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from agent.bench_serve import ServeBenchOptions, format_summary, parse_levels, run_bench
+    from agent.tooling.bench_serve import ServeBenchOptions, format_summary, parse_levels, run_bench
 
     options = ServeBenchOptions(
         bundle=args.bundle, public_keys=tuple(args.pubkey), config=args.config,

@@ -40,7 +40,7 @@ def _positive(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.demo import DemoOptions, run_demo
+    from agent.tooling.demo import DemoOptions, run_demo
 
     return run_demo(DemoOptions(out_dir=args.out, requests=args.requests,
                                 concurrency=args.concurrency, backend=args.backend))

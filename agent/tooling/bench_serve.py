@@ -3,8 +3,8 @@
 1. **Raw backend**: the configured backend alone, no HTTP, at several batch sizes; the best
    throughput is the baseline (``raw_backend_img_s``) and the time of a full batch bounds latency.
 2. **Through the HTTP API**: the daemon runs as its own process (as on a board: the load generator
-   must not share its interpreter) and ``agent.loadgen`` drives it with binary KServe v2 requests,
-   closed loop at each concurrency, then an open-loop Poisson rate. The daemon's RSS is read from
+   must not share its interpreter) and ``agent.tooling.loadgen`` drives it with binary KServe
+   v2 requests, closed loop at each concurrency, then an open-loop Poisson rate. The daemon's RSS is read from
    ``/proc`` after each level.
 
 Targets (issue 3): ``efficiency`` = QPS at concurrency 64 / ``raw_backend_img_s`` >= 0.85, and the
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from agent import loadgen
+from agent.tooling import loadgen
 from agent.errors import AgentError, ConfigError
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@
 
 On a Jetson the generator shares the CPU with the server it measures, so it keeps its own work per
 request small: each sample's whole HTTP request is built once, requests go over keep-alive
-connections of :mod:`agent.httpconn` (an asyncio protocol with the ``httptools`` parser) on one
-event loop, and the bookkeeping is two ``perf_counter`` readings and an append. Responses are
+connections of :mod:`agent.tooling.httpconn` (an asyncio protocol with the ``httptools``
+parser) on one event loop, and the bookkeeping is two ``perf_counter`` readings and an append. Responses are
 still checked (status, then the output tensors decoded) so that a failing server shows up as
 counted errors, never as fast answers.
 
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from agent.errors import ConfigError
-from agent.httpconn import ConnectionPool, Endpoint, ResponseError, prepare
+from agent.tooling.httpconn import ConnectionPool, Endpoint, ResponseError, prepare
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 

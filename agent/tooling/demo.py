@@ -94,7 +94,7 @@ def expected_accuracy(manifest: dict[str, Any], backend: str) -> str:
 
 
 async def _infer(session: Any, url: str, body: bytes, header_length: int) -> tuple[dict, float]:
-    from agent.loadgen import decode_response
+    from agent.tooling.loadgen import decode_response
 
     started = time.perf_counter()
     async with session.post(url, data=body,
@@ -112,7 +112,7 @@ async def _infer(session: Any, url: str, body: bytes, header_length: int) -> tup
 async def _send_all(base: str, model: str, input_name: str, images: np.ndarray,
                     concurrency: int) -> tuple[np.ndarray, list[float]]:
     aiohttp = require("aiohttp", extra="device", purpose="the demo's client")
-    from agent.loadgen import encode_request
+    from agent.tooling.loadgen import encode_request
 
     url = f"{base}/v2/models/{model}/infer"
     predictions = np.full(len(images), -1)
@@ -136,7 +136,7 @@ async def _send_through_shared_memory(base: str, model: str, input_name: str,
                                       images: np.ndarray) -> list[int]:
     """Hand frames over in a POSIX shared memory region: only a small JSON body goes over HTTP."""
     aiohttp = require("aiohttp", extra="device", purpose="the demo's client")
-    from agent.loadgen import decode_response
+    from agent.tooling.loadgen import decode_response
 
     frame = np.ascontiguousarray(images[:1], dtype=np.float32)
     key = f"edge-agent-demo-{uuid.uuid4().hex[:8]}"
@@ -187,7 +187,7 @@ async def _shm_requests(aiohttp: Any, base: str, model: str, input_name: str,
 
 
 def _percentiles_ms(latencies: list[float]) -> list[float]:
-    from agent.loadgen import percentiles
+    from agent.tooling.loadgen import percentiles
 
     return percentiles([seconds * 1e3 for seconds in latencies], (50, 90, 99)) if latencies \
         else [0.0, 0.0, 0.0]
