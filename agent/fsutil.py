@@ -1,18 +1,80 @@
-"""Crash-safe file writes: nothing half-written is ever left under a final name.
+"""Files, written crash-safe and read with bounds.
 
 Every output goes to a temporary name in the same directory, is flushed and fsynced, and is then
-renamed over the final name; the directory is fsynced so the rename survives a power loss.
+renamed over the final name; the directory is fsynced so the rename survives a power loss. So
+nothing half-written is ever left under a final name.
+
+Reads of files that should be small (metadata, keys, tokens) take no more than their limit, and
+file content is hashed in chunks, never held whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
+
+CHUNK_BYTES = 1024 * 1024
+
+
+class FileTooLargeError(ValueError):
+    """A file that should be small (metadata, a key, a token) is larger than its limit."""
+
+
+class NotARegularFileError(ValueError):
+    """A path that should name a regular file names a device, a socket or the like."""
+
+
+def read_bounded(path: Path, limit_bytes: int, *, regular_only: bool = False) -> bytes:
+    """The whole content of a small file, reading at most ``limit_bytes + 1`` bytes of it.
+
+    Raises:
+        OSError: as ``open`` and ``read`` raise it (``FileNotFoundError``, ...).
+        FileTooLargeError: the file holds more than ``limit_bytes``.
+        NotARegularFileError: ``regular_only`` and the path is not a regular file.
+    """
+    with open(path, "rb") as handle:
+        if regular_only and not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise NotARegularFileError(str(path))
+        data = handle.read(limit_bytes + 1)
+    if len(data) > limit_bytes:
+        raise FileTooLargeError(f"{path} holds more than {limit_bytes} bytes")
+    return data
+
+
+def stream_sha256(handle: BinaryIO, *, size: int | None = None,
+                  sink: BinaryIO | None = None) -> tuple[str, int]:
+    """Hash what ``handle`` yields from its position to its end, or ``size`` bytes of it, in
+    chunks, copying each chunk to ``sink`` when given.
+
+    Returns:
+        The sha256 hex digest and the number of bytes read (fewer than ``size`` when the file
+        ends first: the caller decides whether that is an error).
+    """
+    digest = hashlib.sha256()
+    done = 0
+    while size is None or done < size:
+        chunk = handle.read(CHUNK_BYTES if size is None else min(CHUNK_BYTES, size - done))
+        if not chunk:
+            break
+        digest.update(chunk)
+        if sink is not None:
+            sink.write(chunk)
+        done += len(chunk)
+    return digest.hexdigest(), done
+
+
+def sha256_file(path: Path) -> tuple[str, int]:
+    """A file's sha256 hex digest and size, read in chunks."""
+    with open(path, "rb") as handle:
+        return stream_sha256(handle)
 
 
 def fsync_dir(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The daemon's configuration (agent/config.py): layering, parsing, validation, secrets."""
+"""The daemon's configuration (agent/config/): layering, parsing, validation, secrets."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-import agent.config as config_module
+import agent.config.load as config_load
+import agent.config.schema as config_schema
 from agent.backends import BACKEND_CHOICES
 from agent.config import (
     AgentConfig,
@@ -37,7 +38,7 @@ else:
 @pytest.fixture(autouse=True)
 def _no_system_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep every test away from a real /etc/edge-agent/agent.toml."""
-    monkeypatch.setattr(config_module, "DEFAULT_CONFIG_PATH", tmp_path / "absent" / "agent.toml")
+    monkeypatch.setattr(config_load, "DEFAULT_CONFIG_PATH", tmp_path / "absent" / "agent.toml")
 
 
 def write_config(tmp_path: Path, text: str, name: str = "agent.toml") -> Path:
@@ -80,7 +81,7 @@ def test_missing_default_file_means_defaults() -> None:
 
 def test_default_file_is_read_when_present(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_config(tmp_path, "[http]\nport = 9100\n")
-    monkeypatch.setattr(config_module, "DEFAULT_CONFIG_PATH", path)
+    monkeypatch.setattr(config_load, "DEFAULT_CONFIG_PATH", path)
     assert load_config(env={}).http.port == 9100
 
 
@@ -669,10 +670,10 @@ def test_a_missing_trusted_key_is_refused(tmp_path: Path) -> None:
 
 
 def test_device_id_defaults_to_the_host_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config_module.socket, "gethostname", lambda: "jetson-orin-12")
+    monkeypatch.setattr(config_schema.socket, "gethostname", lambda: "jetson-orin-12")
     assert AgentConfig().resolved_device_id == "jetson-orin-12"
     assert AgentConfig(device_id="cam-3").resolved_device_id == "cam-3"
-    monkeypatch.setattr(config_module.socket, "gethostname", lambda: "bad host")
+    monkeypatch.setattr(config_schema.socket, "gethostname", lambda: "bad host")
     with pytest.raises(ConfigError) as excinfo:
         AgentConfig().resolved_device_id  # noqa: B018
     assert excinfo.value.fields["key"] == "device_id"
@@ -681,7 +682,7 @@ def test_device_id_defaults_to_the_host_name(monkeypatch: pytest.MonkeyPatch) ->
 def test_toml_parser_matches_the_python_version() -> None:
     # Python 3.10 (JetPack 6) has no tomllib; tomli is its dependency there.
     expected = "tomllib" if sys.version_info >= (3, 11) else "tomli"
-    assert config_module.tomllib.__name__ == expected
+    assert config_load.tomllib.__name__ == expected
 
 
 def test_a_byte_order_mark_is_not_an_error(tmp_path: Path) -> None:
