@@ -157,7 +157,7 @@ class Daemon:
 
     def __post_init__(self) -> None:
         self.store = ModelStore(self.config.state_dir, trusted_keys=self.config.trust.keys,
-                                keep_versions=self.config.store.keep_versions)
+                                keep_versions=self.config.store.keep_versions).open()
         self.services: dict[str, ModelService] = {}
         self.server: InferenceServer | None = None
         self._stop_requested = threading.Event()

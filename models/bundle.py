@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from agent.errors import BundleError, SignatureError
-from agent.fsutil import atomic_output_file, fsync_dir, staging_dir
+from agent.fsutil import atomic_output_file, fsync_dir, sha256_file, staging_dir
 from models.manifest import (
     ENGINES_DIR,
     MANIFEST_MEMBER,
@@ -51,7 +51,6 @@ from models.manifest import (
 )
 from models.signing import parse_signature_document, sign_manifest, verify_manifest
 from models.tarscan import (
-    CHUNK_BYTES,
     DEFAULT_LIMITS,
     MEBIBYTE,
     BundleLimits,
@@ -191,13 +190,8 @@ def _compare_artifacts(declared: object, computed: Mapping[str, Mapping[str, Any
 
 
 def _describe_file(path: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    size_bytes = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK_BYTES):
-            digest.update(chunk)
-            size_bytes += len(chunk)
-    return {"sha256": digest.hexdigest(), "size": size_bytes}
+    digest, size_bytes = sha256_file(path)
+    return {"sha256": digest, "size": size_bytes}
 
 
 def _member_order(artifacts: Mapping[str, Any]) -> list[str]:
@@ -331,11 +325,6 @@ class VerifiedBundle:
     def manifest(self) -> dict[str, Any]:
         """The verified manifest (a copy: changing it changes nothing here)."""
         return copy.deepcopy(self._manifest)
-
-    @property
-    def member_names(self) -> list[str]:
-        """The names of every member, the metadata first."""
-        return [*METADATA_MEMBERS, *_member_order(self._manifest["artifacts"])]
 
     def read_member(self, name: str, *, max_bytes: int = 16 * MEBIBYTE) -> bytes:
         """Return a small member's bytes, checked against the manifest.

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from agent.errors import KeyFileError, SignatureError
-from agent.fsutil import atomic_output_file, atomic_write_bytes
+from agent.fsutil import FileTooLargeError, atomic_output_file, atomic_write_bytes, read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -330,15 +330,13 @@ def _malformed(detail: str, **fields: object) -> SignatureError:
 
 def _read_key_file(path: Path) -> bytes:
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_KEY_FILE_BYTES + 1)
+        return read_bounded(path, MAX_KEY_FILE_BYTES)
     except FileNotFoundError as exc:
         raise KeyFileError("key file not found", path=path) from exc
+    except FileTooLargeError:
+        raise KeyFileError("file is too large to be a PEM key", path=path) from None
     except OSError as exc:
         raise KeyFileError("cannot read key file", path=path, reason=exc.strerror) from exc
-    if len(data) > MAX_KEY_FILE_BYTES:
-        raise KeyFileError("file is too large to be a PEM key", path=path)
-    return data
 
 
 def _check_one_block(path: Path, data: bytes) -> None:

@@ -11,7 +11,6 @@ disk except the fixed names a bundle allows (models/manifest.py).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tarfile
 from dataclasses import dataclass
@@ -19,11 +18,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from agent.errors import BundleError
+from agent.fsutil import stream_sha256
 from models.manifest import ENGINES_DIR, METADATA_MEMBERS, is_allowed_member_name
 
 MEBIBYTE = 1024 * 1024
 GIBIBYTE = 1024 * MEBIBYTE
-CHUNK_BYTES = 1 * MEBIBYTE
 TAR_BLOCK_BYTES = 512
 # tar header types that carry metadata for the next member and that tarfile reads whole into memory.
 _EXTENDED_HEADER_TYPES = frozenset({b"x", b"g", b"L", b"K"})
@@ -284,16 +283,9 @@ def hash_range(
 ) -> str:
     """Stream a member's bytes through sha256 (and into ``sink``); return the hex digest."""
     handle.seek(member.offset_data)
-    digest = hashlib.sha256()
-    remaining = member.size
-    while remaining > 0:
-        chunk = handle.read(min(CHUNK_BYTES, remaining))
-        if not chunk:
-            raise BundleError(
-                "truncated bundle: member data is cut off", path=path, member=member.name
-            )
-        digest.update(chunk)
-        if sink is not None:
-            sink.write(chunk)
-        remaining -= len(chunk)
-    return digest.hexdigest()
+    digest, size_bytes = stream_sha256(handle, size=member.size, sink=sink)
+    if size_bytes < member.size:
+        raise BundleError(
+            "truncated bundle: member data is cut off", path=path, member=member.name
+        )
+    return digest

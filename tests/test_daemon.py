@@ -331,7 +331,7 @@ def test_sigterm_while_starting_ends_the_start_and_frees_the_store(
     assert seen == [True] and ready == []  # it never served
     # The state directory is free again, and the installed model is intact, but not current:
     # a version becomes current once it serves.
-    store = ModelStore(state_dir, trusted_keys=config.trust.keys)
+    store = ModelStore(state_dir, trusted_keys=config.trust.keys).open()
     try:
         assert store.current() is None
         assert store.versions("tiny") == [1] and store.load("tiny", 1)
@@ -582,7 +582,7 @@ def test_a_state_directory_that_is_a_file_is_named_as_such(tmp_path: Path) -> No
     not_a_dir = tmp_path / "state"
     not_a_dir.write_text("")
     with pytest.raises(StoreError, match="the state directory is not a directory"):
-        ModelStore(not_a_dir, trusted_keys=[])
+        ModelStore(not_a_dir, trusted_keys=[]).open()
 
 
 def test_sigterm_while_serve_installs_a_bundle_unwinds_it(tmp_path: Path,

@@ -1,4 +1,4 @@
-"""The device model store (agent/store.py), with real signed bundles around a tiny QDQ ONNX model."""
+"""The device model store (agent/store/), with real signed bundles around a tiny QDQ ONNX model."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.errors import BundleError, ConfigError, SignatureError, StoreError
+import agent.store.store
+from agent.errors import BundleError, ConfigError, InternalError, SignatureError, StoreError
 from agent.store import ModelRef, ModelStore
 from models.bundle import pack_bundle, resign_bundle
 from models.signing import generate_private_key, write_keypair
@@ -89,7 +90,7 @@ def state_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture()
 def store(state_dir: Path, signing_key: Ed25519PrivateKey) -> ModelStore:
-    return ModelStore(state_dir, trusted_keys=[signing_key.public_key()])
+    return ModelStore(state_dir, trusted_keys=[signing_key.public_key()]).open()
 
 
 def install_versions(store: ModelStore, bundles: Bundles, *versions: int, name: str = MODEL_NAME) -> None:
@@ -127,8 +128,25 @@ def test_a_fresh_store_is_laid_out_with_nothing_current(state_dir: Path, store: 
     assert (state_dir / "models").is_dir() and (state_dir / "engines").is_dir()
     assert pointer(state_dir) == {"schema_version": 1, "current": None, "previous": None}
     # Opening it again keeps it as it is.
-    ModelStore(state_dir, trusted_keys=[])
+    ModelStore(state_dir, trusted_keys=[]).open()
     assert pointer(state_dir)["current"] is None
+
+
+def test_a_store_touches_nothing_until_opened_and_lets_go_when_closed(
+    state_dir: Path, signing_key: Ed25519PrivateKey
+) -> None:
+    store = ModelStore(state_dir, trusted_keys=[signing_key.public_key()])
+    assert not state_dir.exists()
+    for use in (store.current, store.names, lambda: store.versions(MODEL_NAME)):
+        with pytest.raises(InternalError, match="before ModelStore.open"):
+            use()
+    with store:
+        assert store.open() is store  # opening an open store changes nothing
+        assert store.current() is None and (state_dir / "current").is_file()
+    with pytest.raises(InternalError):
+        store.current()
+    with ModelStore(state_dir, trusted_keys=[]) as again:  # closed: free to open again
+        assert again.current() is None
 
 
 def test_install_activate_current(state_dir: Path, store: ModelStore, bundles: Bundles) -> None:
@@ -156,7 +174,7 @@ def test_install_activate_current(state_dir: Path, store: ModelStore, bundles: B
     assert pointer(state_dir)["current"] == {"name": MODEL_NAME, "version": 3}
     assert store.load(MODEL_NAME, 3) == installed
     # The pointer survives a restart.
-    reopened = ModelStore(state_dir, trusted_keys=[bundles.key.public_key()])
+    reopened = ModelStore(state_dir, trusted_keys=[bundles.key.public_key()]).open()
     assert reopened.current() == current
 
 
@@ -201,7 +219,7 @@ def test_reinstalling_the_same_version_is_a_no_op(
     other_key = generate_private_key()
     resigned = bundles.directory / "resigned.bundle"
     resign_bundle(bundle, resigned, other_key)
-    both = ModelStore(state_dir, trusted_keys=[signing_key.public_key(), other_key.public_key()])
+    both = ModelStore(state_dir, trusted_keys=[signing_key.public_key(), other_key.public_key()]).open()
     assert both.install(resigned) == first
     assert snapshot(state_dir / "models") == before
     assert first.directory.stat().st_ino == inode
@@ -329,7 +347,7 @@ def test_gc_keeps_current_and_previous(state_dir: Path, store: ModelStore, bundl
 
 
 def test_gc_fills_free_slots_with_the_newest_versions(store: ModelStore, bundles: Bundles) -> None:
-    wide = ModelStore(store.state_dir, trusted_keys=[bundles.key.public_key()], keep_versions=3)
+    wide = ModelStore(store.state_dir, trusted_keys=[bundles.key.public_key()], keep_versions=3).open()
     install_versions(wide, bundles, 1, 2, 3, 4, 5)
     wide.activate(MODEL_NAME, 2)
     wide.activate(MODEL_NAME, 3)
@@ -397,7 +415,7 @@ def test_a_different_publication_stays_a_conflict_after_a_key_rotation(
     store.activate(MODEL_NAME, 3)
     store.close()
     rotated_key = generate_private_key()
-    rotated = ModelStore(state_dir, trusted_keys=[rotated_key.public_key()])
+    rotated = ModelStore(state_dir, trusted_keys=[rotated_key.public_key()]).open()
     try:
         before = snapshot(state_dir)
         other = bundles.make(3, key=rotated_key, accuracy={"top1_fp32": 0.5, "top1_int8": 0.1})
@@ -464,7 +482,7 @@ def test_load_detects_an_edited_manifest(store: ModelStore, bundles: Bundles) ->
 
 def test_load_refuses_a_key_no_longer_trusted(state_dir: Path, store: ModelStore, bundles: Bundles) -> None:
     installed_store(store, bundles)
-    rotated = ModelStore(state_dir, trusted_keys=[generate_private_key().public_key()])
+    rotated = ModelStore(state_dir, trusted_keys=[generate_private_key().public_key()]).open()
     with pytest.raises(StoreError, match="no longer verifies") as excinfo:
         rotated.load(MODEL_NAME, 3)
     assert "unknown signing key" in excinfo.value.fields["reason"]
@@ -475,7 +493,7 @@ def test_load_without_any_trusted_key_says_to_give_one(state_dir: Path, store: M
     # A restart that forgot --pubkey: not a changed file, and the message says what to do.
     installed_store(store, bundles)
     store.close()
-    keyless = ModelStore(state_dir, trusted_keys=[])
+    keyless = ModelStore(state_dir, trusted_keys=[]).open()
     try:
         with pytest.raises(StoreError, match="pass --pubkey or set trust.public_keys"):
             keyless.load(MODEL_NAME, 3)
@@ -513,7 +531,7 @@ def hash_then_die(handle, member, path, sink=None):
     return digest
 
 models.bundle.hash_range = hash_then_die
-store = ModelStore(Path(sys.argv[1]), trusted_keys=[load_public_key(Path(sys.argv[2]))])
+store = ModelStore(Path(sys.argv[1]), trusted_keys=[load_public_key(Path(sys.argv[2]))]).open()
 store.install(Path(sys.argv[3]))
 """
 
@@ -537,7 +555,7 @@ def test_a_crash_mid_install_leaves_only_a_hidden_directory_that_the_next_start_
     assert len(leftovers) == 1 and leftovers[0].startswith(".3.extract-")
     assert any((state_dir / "models" / MODEL_NAME / leftovers[0]).iterdir())  # half-written
 
-    store = ModelStore(state_dir, trusted_keys=[key.public_key()])
+    store = ModelStore(state_dir, trusted_keys=[key.public_key()]).open()
     assert os.listdir(state_dir / "models" / MODEL_NAME) == []
     assert store.versions(MODEL_NAME) == [] and store.current() is None
     assert store.install(bundle).version == 3
@@ -558,7 +576,7 @@ def test_other_leftovers_are_removed_at_start(state_dir: Path, store: ModelStore
     unrelated = models / ".keep-me"
     unrelated.write_text("not ours")
 
-    reopened = ModelStore(state_dir, trusted_keys=[bundles.key.public_key()])
+    reopened = ModelStore(state_dir, trusted_keys=[bundles.key.public_key()]).open()
     assert sorted(os.listdir(models)) == [".keep-me", "1", "2"]
     assert not (state_dir / ".current.x1y2z3.tmp").exists()
     assert not orphan.exists()
@@ -594,7 +612,7 @@ def test_a_corrupt_pointer_is_reported(state_dir: Path, store: ModelStore, conte
 
 def test_a_missing_pointer_is_reported(state_dir: Path, store: ModelStore) -> None:
     (state_dir / "current").unlink()
-    reopened = ModelStore(state_dir, trusted_keys=[])  # not mistaken for a fresh store
+    reopened = ModelStore(state_dir, trusted_keys=[]).open()  # not mistaken for a fresh store
     with pytest.raises(StoreError, match="pointer is missing") as excinfo:
         reopened.current()
     assert excinfo.value.fields["path"] == state_dir / "current"
@@ -634,14 +652,14 @@ def test_a_second_process_cannot_open_a_store_in_use(state_dir: Path, store: Mod
     import sys
 
     probe = ("import sys; from agent.store import ModelStore; from agent.errors import StoreError\n"
-             "try:\n    ModelStore(sys.argv[1], trusted_keys=[])\n"
+             "try:\n    ModelStore(sys.argv[1], trusted_keys=[]).open()\n"
              "except StoreError as exc:\n    print(exc); sys.exit(3)\n")
     refused = subprocess.run([sys.executable, "-c", probe, str(state_dir)], capture_output=True,
                              text=True, timeout=60, check=False)
     assert refused.returncode == 3, refused.stderr
     assert "in use by another edge-agent process" in refused.stdout
     assert f"pid={os.getpid()}" in refused.stdout
-    again = ModelStore(state_dir, trusted_keys=[])  # the same process may open it again
+    again = ModelStore(state_dir, trusted_keys=[]).open()  # the same process may open it again
     again.close()
     store.close()
     allowed = subprocess.run([sys.executable, "-c", probe, str(state_dir)], capture_output=True,
@@ -663,8 +681,8 @@ def test_leftovers_that_cannot_be_removed_do_not_stop_the_store(
     def read_only(path: Path) -> None:
         raise StoreError("cannot remove from the store", path=path, reason="Read-only file system")
 
-    monkeypatch.setattr(ModelStore, "_remove_tree", staticmethod(read_only))
-    reopened = ModelStore(state_dir, trusted_keys=[bundles.key.public_key()])
+    monkeypatch.setattr(agent.store.store, "remove_tree", read_only)
+    reopened = ModelStore(state_dir, trusted_keys=[bundles.key.public_key()]).open()
     assert reopened.load(MODEL_NAME, 1).version == 1
     assert leftover.exists()
     assert "could not remove what an interrupted operation left behind" in caplog.text
