@@ -21,7 +21,8 @@ When a batch goes (Triton's rules, see docs/reference/serving.md §1):
   request (its HTTP client went away) leaves the queue at once.
 * A failed batch fails only its own requests, each with the error.
 
-Load signals for the power governor (a later issue) come from :meth:`Batcher.load`.
+What happens is reported to one observer (agent/observers.py: the model's metrics, statistics
+and whatever else subscribed); a snapshot of the load comes from :meth:`Batcher.load`.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from agent.backends.base import Backend
 from agent.errors import AgentError, ConfigError, InputError
+from agent.observers import BatchDone, RequestDone, ServingObserver
 from agent.scattered import DeferredArray, copy_rows
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,8 @@ class InferenceResult:
     queue_s: float
     compute_s: float
     batch_size: int
+    compute_input_s: float = 0.0  # its batch's staging copy
+    compute_output_s: float = 0.0  # cutting the batch's outputs into per-request arrays
 
 
 @dataclass(frozen=True)
@@ -120,17 +124,6 @@ class LoadSnapshot:
     mean_batch_compute_s: float  # recent (exponentially weighted)
 
 
-class BatchObserver(Protocol):
-    """Receives what the metrics need; every call happens on the event loop."""
-
-    def request_done(self, outcome: str, *, queue_s: float, compute_s: float,
-                     total_s: float) -> None: ...
-
-    def batch_done(self, batch_size: int, compute_s: float) -> None: ...
-
-    def queue_depth(self, depth: int) -> None: ...
-
-
 @dataclass(eq=False)
 class _Request:
     inputs: Mapping[str, np.ndarray | DeferredArray]
@@ -143,12 +136,14 @@ class _Request:
     sequence: int = 0
     started: bool = False  # its batch began to run (set by the run thread)
     timer: asyncio.TimerHandle | None = None  # answers a deadline passed while it is staged
+    version: int | None = None  # of the instance its batch went to
 
 
 @dataclass(eq=False)
 class _Instance:
     backend: Backend
     index: int
+    version: int  # the model version it serves
     stage_pool: ThreadPoolExecutor
     run_pool: ThreadPoolExecutor
     outstanding: int = 0  # batches staged or running
@@ -168,7 +163,7 @@ class Batcher:
     """Batches requests for one model over its backend instances (all active already)."""
 
     def __init__(self, instances: Sequence[Backend], policy: BatchPolicy, *,
-                 observer: BatchObserver | None = None, buffer_sets: int = 2) -> None:
+                 observer: ServingObserver | None = None, buffer_sets: int = 2) -> None:
         if not instances:
             raise ConfigError("at least one backend instance is needed", key="serving.instances")
         self.policy = policy
@@ -195,7 +190,7 @@ class Batcher:
     def _wrap(self, backend: Backend) -> _Instance:
         index = next(_instance_numbers)
         return _Instance(
-            backend, index,
+            backend, index, backend.artifacts.version,
             ThreadPoolExecutor(1, thread_name_prefix=f"stage-{index}"),
             ThreadPoolExecutor(1, thread_name_prefix=f"run-{index}"),
         )
@@ -209,6 +204,11 @@ class Batcher:
     @property
     def backends(self) -> list[Backend]:
         return [instance.backend for instance in self._instances]
+
+    @property
+    def version(self) -> int:
+        """The model version new batches go to (the newest instances')."""
+        return self._instances[0].version
 
     def start(self) -> None:
         """Start scheduling (call from the event loop)."""
@@ -512,6 +512,7 @@ class Batcher:
         instance.outstanding += 1
         loop = asyncio.get_running_loop()
         for request in batch:  # staged behind a running batch, a request may pass its deadline
+            request.version = instance.version
             if request.deadline is not None:
                 request.timer = loop.call_later(max(0.0, request.deadline - time.monotonic()),
                                                 self._timed_out_while_staged, request)
@@ -524,12 +525,12 @@ class Batcher:
         staged = None
         counted = False
         try:
-            staged, failed = await loop.run_in_executor(instance.stage_pool, _stage,
-                                                        instance.backend, batch)
+            staged, failed, stage_s = await loop.run_in_executor(instance.stage_pool, _stage,
+                                                                 instance.backend, batch)
             instance.running += 1
             counted = True
-            outputs, run_started, compute_s = await loop.run_in_executor(
-                instance.run_pool, _run_and_split, instance.backend, staged, batch)
+            ran = await loop.run_in_executor(instance.run_pool, _run_and_split,
+                                             instance.backend, staged, batch)
         except Exception as exc:  # the batch's requests get the error, not the loop
             error = exc if isinstance(exc, AgentError) else AgentError(
                 f"inference failed: {type(exc).__name__}: {exc}")
@@ -546,27 +547,33 @@ class Batcher:
                 instance.running -= 1
             instance.outstanding -= 1
             self._poke()
+        self._answer(instance, batch, failed, stage_s, ran)
+
+    def _answer(self, instance: _Instance, batch: list[_Request], failed: dict[int, InputError],
+                stage_s: float, ran: _Ran) -> None:
+        """Count a batch that ran and answer each of its requests."""
         samples = sum(request.batch_size for request in batch)
         counters = self._counters
         counters.batches += 1
-        counters.compute_ewma_s = (compute_s if counters.batches == 1
-                                   else 0.8 * counters.compute_ewma_s + 0.2 * compute_s)
+        counters.compute_ewma_s = (ran.compute_s if counters.batches == 1
+                                   else 0.8 * counters.compute_ewma_s + 0.2 * ran.compute_s)
         if self._observer is not None:
-            self._observer.batch_done(samples, compute_s)
-        for index, (request, result) in enumerate(zip(batch, outputs)):
+            self._observer.batch_done(BatchDone(instance.version, samples, ran.compute_s,
+                                                  stage_s, ran.split_s))
+        for index, (request, result) in enumerate(zip(batch, ran.outputs)):
             if index in failed:
                 self._finish(request, "invalid", error=failed[index])
                 continue
-            if request.deadline is not None and request.deadline < run_started:
+            if request.deadline is not None and request.deadline < ran.started:
                 # Staged ahead, it waited for the running batch past its deadline: no late
                 # success (its rows ran, the answer is dropped).
                 self._finish(request, "timeout", error=DeadlineExceeded(
                     "request timed out before its batch ran",
-                    waited_ms=round((run_started - request.arrival) * 1e3, 3)))
+                    waited_ms=round((ran.started - request.arrival) * 1e3, 3)))
                 continue
-            queue_s = max(0.0, run_started - request.arrival)
-            self._finish(request, "success", result=InferenceResult(result, queue_s, compute_s,
-                                                                    samples))
+            queue_s = max(0.0, ran.started - request.arrival)
+            self._finish(request, "success", result=InferenceResult(
+                result, queue_s, ran.compute_s, samples, stage_s, ran.split_s))
 
     def _finish(self, request: _Request, outcome: str, *, result: InferenceResult | None = None,
                 error: BaseException | None = None) -> None:
@@ -586,10 +593,11 @@ class Batcher:
                 request.future.set_result(result)  # type: ignore[arg-type]
         if self._observer is not None:
             total_s = time.monotonic() - request.arrival
-            queue_s = result.queue_s if result else total_s
-            compute_s = result.compute_s if result else 0.0
-            self._observer.request_done(outcome, queue_s=queue_s, compute_s=compute_s,
-                                        total_s=total_s)
+            version = request.version if request.version is not None else self.version
+            self._observer.request_done(
+                RequestDone(outcome, version, total_s, total_s) if result is None else
+                RequestDone(outcome, version, total_s, result.queue_s, result.compute_input_s,
+                            result.compute_s, result.compute_output_s))
 
     def _report_depth(self) -> None:
         if self._observer is not None:
@@ -599,10 +607,13 @@ class Batcher:
 _instance_numbers = itertools.count()
 
 
-def _stage(backend: Backend, batch: list[_Request]) -> tuple[Any, dict[int, InputError]]:
+def _stage(backend: Backend, batch: list[_Request]
+           ) -> tuple[Any, dict[int, InputError], float]:
     """Copy a batch's requests into the instance's buffers (worker thread). A request whose
     input cannot be read (a shared memory region its client shrank) gets zeros in its rows and
-    its error in the returned ``{position in batch: error}``; the others run."""
+    its error in the returned ``{position in batch: error}``; the others run. Also returns how
+    long the copy took."""
+    started = time.monotonic()
     total = sum(request.batch_size for request in batch)
     shapes = dict(batch[0].shape_key)
     staged = backend.stage(total, shapes)
@@ -623,19 +634,28 @@ def _stage(backend: Backend, batch: list[_Request]) -> tuple[Any, dict[int, Inpu
     except BaseException:
         staged.release()
         raise
-    return staged, failed
+    return staged, failed, time.monotonic() - started
 
 
-def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]
-                   ) -> tuple[list[dict[str, np.ndarray]], float, float]:
+@dataclass(frozen=True)
+class _Ran:
+    """A batch's run, measured in its worker thread."""
+
+    outputs: list[dict[str, np.ndarray]]  # per request, owned arrays
+    started: float  # monotonic time the run began
+    compute_s: float  # the backend's run
+    split_s: float  # cutting the outputs into per-request arrays
+
+
+def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]) -> _Ran:
     """Run a staged batch and cut the outputs into owned per-request arrays (worker thread).
-    Also returns when the run began and the compute time, measured here so that a staged
-    batch's wait for the running one counts as queue time, not compute."""
+    The times are measured here, so that a staged batch's wait for the running one counts as
+    queue time, not compute."""
     for request in batch:
         request.started = True  # from now on its deadline waits for the result
     started = time.monotonic()
     outputs = backend.run(staged)
-    compute_s = time.monotonic() - started
+    ran = time.monotonic()
     results: list[dict[str, np.ndarray]] = []
     row = 0
     for request in batch:
@@ -643,4 +663,4 @@ def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]
         results.append({name: np.array(value[row:row + rows], copy=True)
                         for name, value in outputs.items()})
         row += rows
-    return results, started, compute_s
+    return _Ran(results, started, ran - started, time.monotonic() - ran)

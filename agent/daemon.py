@@ -1,181 +1,112 @@
 """The on-device daemon: configuration -> model store -> backend instances -> batcher -> HTTP.
 
-``Daemon.start()`` brings up the current model from the store and the HTTP API; ``stop()`` drains
-in-flight requests, closes the listener and frees every backend. ``run_daemon`` runs it in the
-foreground until SIGTERM or SIGINT (systemd's stop, or Ctrl-C). The MQTT control channel, the
-updater and the power governor of later issues attach here: they get the store, the batcher's
-``load()`` signals and ``Batcher.replace_backends`` for the blue-green swap.
+:class:`Daemon` is cheap to construct; :meth:`Daemon.start` brings up the current model from the
+store, the HTTP API and then the background tasks; :meth:`Daemon.stop` stops the tasks (the last
+started first), drains in-flight requests, closes the listener and frees every backend. Its
+states and the transitions between them are :class:`DaemonState` and :data:`TRANSITIONS`;
+components that follow them (systemd notification) subscribe with
+:meth:`Daemon.add_state_listener`. ``agent/run.py`` drives this one lifecycle for every entry
+point (``serve``, the demo), with the signal handling.
+
+The updater, the MQTT control plane, the power governor and the watchdog attach here: each is a
+background task (:meth:`Daemon.add_task`), they reach the store (``daemon.store``) and what the
+serving path reports (``daemon.services[name].observers.subscribe``), and the blue-green swap
+builds on ``Batcher.replace_backends``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
-import os
-import signal
-import socket
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from agent import runtime
 from agent.api.server import InferenceServer
-from agent.backends import (
-    BackendOptions,
-    ModelArtifacts,
-    backend_class,
-    resolve_backend_name,
-)
-from agent.backends.base import Backend, frame_shape
-from agent.batcher import BatchPolicy
+from agent.backends import ModelArtifacts
 from agent.config import AgentConfig
-from agent.errors import AgentError, StopRequested, StoreError
-from agent.metrics import ServingMetrics
+from agent.errors import AgentError, InternalError, StopRequested, StoreError
+from agent.metrics import ServingMetrics, TaskMetrics
 from agent.serving import ModelService
 from agent.store import ModelStore
+from agent.supervisor import Supervisor, TaskFactory, TaskState, TaskStatus
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WARMUP_SIZE = 224
+
+class DaemonState(enum.Enum):
+    CREATED = "created"  # constructed: nothing opened, nothing running
+    STARTING = "starting"  # loading the model's instances (minutes, when an engine is built)
+    SERVING = "serving"  # the API answers and the background tasks run
+    STOPPING = "stopping"  # tasks stopping, then in-flight requests draining
+    STOPPED = "stopped"  # everything freed and the state directory let go
+    FAILED = "failed"  # as STOPPED, after a failed start or a critical task's failure
 
 
-def batch_policy(config: AgentConfig, artifacts: ModelArtifacts) -> BatchPolicy:
-    """The batcher's settings: the configuration, capped by what the bundle was built for."""
-    serving = config.serving
-    max_batch = min(serving.max_batch_size, artifacts.max_batch)
-    preferred = tuple(size for size in serving.preferred_batch_sizes if size <= max_batch)
-    dropped = [size for size in serving.preferred_batch_sizes if size > max_batch]
-    if dropped:
-        log.warning("serving.preferred_batch_sizes %s exceed the largest batch %d (the bundle's "
-                    "max_batch %d, serving.max_batch_size %d): not used", dropped, max_batch,
-                    artifacts.max_batch, serving.max_batch_size)
-    if not preferred and 1 < artifacts.opt_batch < max_batch:
-        preferred = (artifacts.opt_batch,)
-    return BatchPolicy(
-        max_batch_size=max_batch,
-        max_queue_delay_us=serving.max_queue_delay_us,
-        preferred_batch_sizes=preferred,
-        max_queue_size=serving.max_queue_size,
-        default_timeout_us=serving.default_timeout_us,
-        priority_levels=serving.priority_levels,
-        default_priority_level=serving.resolved_default_priority_level,
-        adaptive_delay=serving.adaptive_delay,
-    )
+TRANSITIONS: dict[DaemonState, frozenset[DaemonState]] = {
+    DaemonState.CREATED: frozenset({DaemonState.STARTING, DaemonState.STOPPED}),
+    DaemonState.STARTING: frozenset({DaemonState.SERVING, DaemonState.STOPPING,
+                                     DaemonState.FAILED}),
+    DaemonState.SERVING: frozenset({DaemonState.STOPPING}),
+    DaemonState.STOPPING: frozenset({DaemonState.STOPPED, DaemonState.FAILED}),
+    DaemonState.STOPPED: frozenset(),
+    DaemonState.FAILED: frozenset(),
+}
+
+StateListener = Callable[["DaemonState"], None]
 
 
-def backend_options(config: AgentConfig, max_batch: int,
-                    stop_requested: Callable[[], bool] | None = None) -> BackendOptions:
-    serving, trt = config.serving, config.tensorrt
-    return BackendOptions(
-        max_batch_size=max_batch,
-        stop_requested=stop_requested,
-        threads=serving.threads_per_instance(os.cpu_count() or 1),
-        extra={
-            # TensorRT engine builds (the names of EngineBuildConfig's fields).
-            "workspace_bytes": trt.workspace_mib << 20,
-            "dla_core": None if trt.dla_core < 0 else trt.dla_core,
-            "optimization_level": trt.optimization_level,
-            "fp16": trt.fp16,
-            # ONNX Runtime.
-            "allow_spinning": serving.cpu_spin,
-        },
-    )
-
-
-def warmup_shape(artifacts: ModelArtifacts, backend: Backend) -> dict[str, tuple[int, ...]] | None:
-    """Per-sample input shapes for warm-up: fixed axes as they are, dynamic height and width at
-    the engine profile's optimum (the deployment frame size)."""
-    profile = artifacts.manifest.get("engine_profile") or {}
-    height, width = (int(profile.get(axis, [0, DEFAULT_WARMUP_SIZE])[1])
-                     for axis in ("height", "width"))
-    shapes: dict[str, tuple[int, ...]] = {}
-    for info in backend.inputs:
-        shape = frame_shape(info.sample_shape, height, width)
-        if shape is None:
-            return None
-        shapes[info.name] = shape
-    return shapes
-
-
-def warm_up(backend: Backend, artifacts: ModelArtifacts, batches: int, batch_size: int,
-            stop_requested: Callable[[], bool] | None = None) -> float:
-    """Run a few batches of zeros so the first real request does not pay for lazy setup; a stop
-    request ends it between batches (``StopRequested``)."""
-    shapes = warmup_shape(artifacts, backend)
-    if shapes is None or batches <= 0:
-        return 0.0
-    started = time.perf_counter()
-    inputs = {info.name: np.zeros((batch_size, *shapes[info.name]), dtype=info.dtype)
-              for info in backend.inputs}
-    for done in range(batches):
-        if stop_requested is not None and stop_requested():
-            raise StopRequested("stopped while warming up", model=artifacts.name,
-                                batches_done=done)
-        backend.infer(inputs)
-    return time.perf_counter() - started
-
-
-def start_backends(config: AgentConfig, artifacts: ModelArtifacts, policy: BatchPolicy,
-                   stop_requested: Callable[[], bool] | None = None) -> list[Backend]:
-    """Create, activate and warm up ``serving.instances`` backends; on any failure free the ones
-    already made and re-raise. ``stop_requested`` ends the start early (``StopRequested``):
-    checked before each instance and, by the TensorRT backend, during an engine build."""
-    name = resolve_backend_name(config.serving.backend)
-    cls = backend_class(name)
-    options = backend_options(config, policy.max_batch_size, stop_requested)
-    backends: list[Backend] = []
-    try:
-        for _ in range(config.serving.instances):
-            if stop_requested is not None and stop_requested():
-                raise StopRequested("stopped while starting the model's instances",
-                                    model=artifacts.name, started=len(backends))
-            backend = cls(artifacts, options)
-            backends.append(backend)
-            backend.activate()
-            seconds = warm_up(backend, artifacts, config.serving.warmup_batches,
-                              policy.preferred_batch_sizes[-1] if policy.preferred_batch_sizes
-                              else 1, stop_requested)
-            log.info("instance %d of %s v%d ready (%s, warm-up %.2f s)", len(backends),
-                     artifacts.name, artifacts.version, name, seconds)
-    except BaseException:
-        for backend in backends:
-            backend.deactivate()
-        raise
-    return backends
-
-
-@dataclass
 class Daemon:
-    """Everything the foreground daemon runs."""
+    """Everything the daemon runs, from the store to the background tasks.
 
-    config: AgentConfig
-    shm_root: Path = Path("/dev/shm")
+    Args:
+        config: The validated configuration.
+        shm_root: Where clients' POSIX shared memory regions live.
+    """
 
-    def __post_init__(self) -> None:
-        self.store = ModelStore(self.config.state_dir, trusted_keys=self.config.trust.keys,
-                                keep_versions=self.config.store.keep_versions).open()
+    def __init__(self, config: AgentConfig, *, shm_root: Path = Path("/dev/shm")) -> None:
+        self.config = config
+        self.shm_root = shm_root
+        self.state = DaemonState.CREATED
+        self.store = ModelStore(config.state_dir, trusted_keys=config.trust.keys,
+                                keep_versions=config.store.keep_versions)
         self.services: dict[str, ModelService] = {}
         self.server: InferenceServer | None = None
-        self._stop_requested = threading.Event()
+        self.task_metrics = TaskMetrics()
+        self.supervisor = Supervisor(on_change=self._task_changed)
+        self.failure: AgentError | None = None  # why the daemon stopped itself
+        self._listeners: list[StateListener] = []
+        self._stop_requested = threading.Event()  # read by the start's worker thread
+        self._stop_wanted: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def request_stop(self) -> None:
-        """Ask work in progress to end early: a start that is still building or loading the
-        model's instances raises ``StopRequested`` instead of finishing (thread-safe)."""
-        self._stop_requested.set()
+    # -- parts attached before the start --------------------------------------------------------
+
+    def add_task(self, name: str, run: TaskFactory, *, critical: bool = False) -> None:
+        """Run ``run()`` as a background task once the model serves (see agent/supervisor.py);
+        a ``critical`` task's failure stops the daemon."""
+        self.supervisor.add(name, run, critical=critical)
+
+    def add_state_listener(self, listener: StateListener) -> None:
+        """Call ``listener(state)`` on every state change, on the thread that made it."""
+        self._listeners.append(listener)
+
+    # -- the store ------------------------------------------------------------------------------
 
     def install(self, bundle: Path) -> ModelArtifacts:
         """Verify and install a bundle (``serve --bundle``); :meth:`start` given the result makes
         it current once it serves. Versions beyond ``store.keep_versions`` are deleted first, to
         make room."""
+        self.store.open()
         self._collect_garbage()
         return self.store.install(bundle)
 
     def make_current(self, artifacts: ModelArtifacts) -> None:
         """Activate an installed version, then delete versions beyond ``store.keep_versions``."""
+        self.store.open()
         self.store.activate(artifacts.name, artifacts.version)
         log.info("%s v%d is current", artifacts.name, artifacts.version)
         self._collect_garbage()
@@ -190,28 +121,43 @@ class Daemon:
         """Let go of the state directory."""
         self.store.close()
 
+    # -- the lifecycle --------------------------------------------------------------------------
+
     async def start(self, candidate: ModelArtifacts | None = None) -> int:
-        """Load the current model, or ``candidate`` (an installed version), and start the HTTP
-        API; returns the port. A candidate becomes current only once its model has loaded: one
-        that does not load (a broken ONNX, a backend this device lacks) leaves current as it
-        was."""
-        current = candidate or self.store.current()
-        if current is None:
-            installed = {name: self.store.versions(name) for name in self.store.names()}
-            if any(installed.values()):
-                raise StoreError("no current model: 'edge-agent serve --bundle B --pubkey PUB' "
-                                 "installs and activates one", state_dir=self.config.state_dir,
-                                 installed=", ".join(f"{name} v{versions}" for name, versions
-                                                     in installed.items() if versions))
-            raise StoreError("no model installed: install a bundle with "
-                             "'edge-agent serve --bundle B --pubkey PUB'",
-                             state_dir=self.config.state_dir)
-        # Re-verify signature and hashes: the disk may have changed since install (power loss).
-        artifacts = self.store.load(current.name, current.version)
-        policy = batch_policy(self.config, artifacts)
-        loop = asyncio.get_running_loop()
-        backends = await loop.run_in_executor(None, start_backends, self.config, artifacts, policy,
-                                              self._stop_requested.is_set)
+        """Load the current model, or ``candidate`` (an installed version), start the HTTP API
+        and then the background tasks; returns the port. A candidate becomes current only once
+        its model has loaded: one that does not load (a broken ONNX, a backend this device
+        lacks) leaves current as it was.
+
+        Raises:
+            StopRequested: :meth:`request_stop` was called before the model served.
+            AgentError: the model could not be loaded or served (the daemon is then FAILED).
+        """
+        self._loop = asyncio.get_running_loop()
+        self._stop_wanted = asyncio.Event()
+        if self._stop_requested.is_set():
+            self._stop_wanted.set()
+        self._set_state(DaemonState.STARTING)
+        try:
+            port = await self._start(candidate)
+        except StopRequested:
+            self._set_state(DaemonState.STOPPING)
+            self._set_state(DaemonState.STOPPED)
+            raise
+        except BaseException:
+            self._set_state(DaemonState.FAILED)
+            raise
+        self._set_state(DaemonState.SERVING)
+        self.supervisor.start()
+        return port
+
+    async def _start(self, candidate: ModelArtifacts | None) -> int:
+        self.store.open()
+        artifacts = self._verified(candidate)
+        policy = runtime.batch_policy(self.config, artifacts)
+        backends = await asyncio.get_running_loop().run_in_executor(
+            None, runtime.start_backends, self.config, artifacts, policy,
+            self._stop_requested.is_set)
         metrics = ServingMetrics(artifacts.name)
         service = ModelService(artifacts.name, artifacts.version, backends, policy,
                                metrics=metrics)
@@ -220,7 +166,8 @@ class Daemon:
         self.server = InferenceServer(
             self.services, host=http.host, port=http.port,
             token=http.token.reveal() if http.token is not None else None,
-            max_body_bytes=http.max_body_bytes, metrics_render=metrics.render,
+            max_body_bytes=http.max_body_bytes,
+            metrics_render=lambda: metrics.render() + self.task_metrics.render(),
             shm_root=self.shm_root, access_log=http.access_log)
         service.start()
         try:
@@ -234,12 +181,77 @@ class Daemon:
             self._free()
             raise
 
+    def _verified(self, candidate: ModelArtifacts | None) -> ModelArtifacts:
+        """The version to serve, verified again: the disk may have changed since install (a
+        power loss, a damaged file)."""
+        current = candidate or self.store.current()
+        if current is None:
+            installed = {name: self.store.versions(name) for name in self.store.names()}
+            if any(installed.values()):
+                raise StoreError("no current model: 'edge-agent serve --bundle B --pubkey PUB' "
+                                 "installs and activates one", state_dir=self.config.state_dir,
+                                 installed=", ".join(f"{name} v{versions}" for name, versions
+                                                     in installed.items() if versions))
+            raise StoreError("no model installed: install a bundle with "
+                             "'edge-agent serve --bundle B --pubkey PUB'",
+                             state_dir=self.config.state_dir)
+        return self.store.load(current.name, current.version)
+
+    def request_stop(self) -> None:
+        """Ask the daemon to stop (thread-safe): :meth:`wait_for_stop` returns, and a start that
+        is still building or loading the model's instances raises ``StopRequested`` instead of
+        finishing."""
+        self._stop_requested.set()
+        loop, wanted = self._loop, self._stop_wanted
+        if loop is None or wanted is None or loop.is_closed():
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            wanted.set()
+        else:
+            loop.call_soon_threadsafe(wanted.set)
+
+    async def wait_for_stop(self) -> None:
+        """Return once a stop is requested: a signal, or a critical background task's failure
+        (then :attr:`failure` says which)."""
+        if self._stop_wanted is None:
+            raise InternalError("Daemon.wait_for_stop() before start()")
+        await self._stop_wanted.wait()
+
     async def stop(self, *, timeout_s: float = 30.0) -> None:
-        if self.server is not None:
-            await self.server.stop(drain=True, timeout_s=timeout_s)
-            self.server = None
-        self._free()
-        self.close()
+        """Stop the background tasks, drain in-flight requests (at most ``timeout_s``), free the
+        model's instances and let go of the state directory. Stopping a stopped daemon does
+        nothing."""
+        if self.state in (DaemonState.STOPPED, DaemonState.FAILED):
+            self.close()
+            return
+        if self.state is DaemonState.CREATED:
+            self._set_state(DaemonState.STOPPED)
+            self.close()
+            return
+        self._set_state(DaemonState.STOPPING)
+        try:
+            await self.supervisor.stop()
+            if self.server is not None:
+                log.info("stopping: draining in-flight requests")
+                await self.server.stop(drain=True, timeout_s=timeout_s)
+                self.server = None
+        finally:
+            self._free()
+            self.close()
+            self._set_state(DaemonState.FAILED if self.failure else DaemonState.STOPPED)
+
+    def status(self) -> dict[str, Any]:
+        """What the daemon is doing: its state, the versions it serves and its tasks."""
+        return {
+            "state": self.state.value,
+            "models": {name: service.version for name, service in self.services.items()},
+            "tasks": [task.to_json() for task in self.supervisor.status()],
+            "failure": str(self.failure) if self.failure else None,
+        }
 
     def _free(self) -> None:
         for service in self.services.values():
@@ -247,70 +259,22 @@ class Daemon:
                 backend.deactivate()
         self.services.clear()
 
+    def _set_state(self, state: DaemonState) -> None:
+        if state not in TRANSITIONS[self.state]:
+            raise InternalError(f"the daemon cannot go from {self.state.value} to {state.value}")
+        log.debug("daemon %s -> %s", self.state.value, state.value)
+        self.state = state
+        for listener in tuple(self._listeners):
+            try:
+                listener(state)
+            except Exception:  # noqa: BLE001 - a listener's bug must not break the lifecycle
+                log.exception("daemon state listener failed")
 
-def _ignore_sighup(*_: object) -> None:
-    log.warning("SIGHUP ignored: the daemon does not reload its configuration; restart it instead")
-
-
-def check_can_listen(host: str, port: int) -> None:
-    """Raise the error the HTTP server would raise if ``host:port`` cannot be listened on now."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(infos[0][4])
-    except OSError as exc:
-        raise AgentError("cannot listen for HTTP", host=host, port=port,
-                         reason=exc.strerror or str(exc)) from None
-
-
-def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
-               on_ready: Callable[[int], Any] | None = None) -> int:
-    """Run in the foreground until SIGTERM/SIGINT; returns the exit status."""
-    # A busy port would only be found once the model has loaded (minutes, when a TensorRT
-    # engine is built first): look now.
-    check_can_listen(config.http.host, config.http.port)
-    # SIGHUP (a closed terminal, or an operator expecting a reload) would kill the daemon
-    # outright, even mid-install: there is nothing to reload, so it is ignored throughout.
-    signal.signal(signal.SIGHUP, _ignore_sighup)
-    daemon = Daemon(config)
-    candidate = None
-    if bundle is not None:
-        candidate = daemon.install(bundle)
-        log.info("installed %s v%d from %s", candidate.name, candidate.version, bundle)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def on_signal() -> None:
-            stop.set()
-            daemon.request_stop()  # a start still under way (an engine build) ends early
-
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, on_signal)
-        loop.add_signal_handler(signal.SIGHUP, _ignore_sighup)
-        try:
-            port = await daemon.start(candidate)
-        except StopRequested as exc:
-            log.info("stopped while starting: %s", exc)
-            daemon.close()
-            return
-        except AgentError:
-            current = daemon.store.current()
-            if candidate is not None and (current is None or (current.name, current.version)
-                                          != (candidate.name, candidate.version)):
-                log.error("%s v%d is installed but was not made current, since its start "
-                          "failed; current is still %s", candidate.name, candidate.version,
-                          f"{current.name} v{current.version}" if current else "none")
-            raise
-        if on_ready is not None:
-            on_ready(port)
-        await stop.wait()
-        log.info("stopping: draining in-flight requests")
-        await daemon.stop()
-
-    asyncio.run(main())
-    return 0
+    def _task_changed(self, status: TaskStatus, error: BaseException | None) -> None:
+        failed = status.state is TaskState.FAILED
+        self.task_metrics.task_changed(status.name, running=status.state is TaskState.RUNNING,
+                                       failed=failed)
+        if failed and status.critical and self.failure is None:
+            self.failure = AgentError("a critical background task failed", task=status.name,
+                                      reason=status.error)
+            self.request_stop()

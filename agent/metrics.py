@@ -17,7 +17,9 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "ServingMetrics"]
+from agent.observers import BatchDone, RequestDone, ServingObserver
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServingMetrics", "TaskMetrics"]
 
 # Request latencies from 0.5 ms (a tiny model on a GPU) to 10 s (a full queue on a slow CPU).
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
@@ -25,8 +27,8 @@ _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-class ServingMetrics:
-    """The metrics of one model's serving path; also the batcher's observer."""
+class ServingMetrics(ServingObserver):
+    """The metrics of one model's serving path, subscribed to what its batcher reports."""
 
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -72,17 +74,16 @@ class ServingMetrics:
             child = self._outcomes[outcome] = self._requests.labels(self.model, outcome)
         return child
 
-    # -- the batcher's observer ---------------------------------------------------------
+    # -- what the batcher reports -------------------------------------------------------
 
-    def request_done(self, outcome: str, *, queue_s: float, compute_s: float,
-                     total_s: float) -> None:
-        self._outcome(outcome).inc()
-        if outcome == "success":
-            self._queue_child.observe(queue_s)
-            self._compute_child.observe(compute_s)
+    def request_done(self, event: RequestDone) -> None:
+        self._outcome(event.outcome).inc()
+        if event.outcome == "success":
+            self._queue_child.observe(event.queue_s)
+            self._compute_child.observe(event.compute_s)
 
-    def batch_done(self, batch_size: int, compute_s: float) -> None:
-        self._batch_child.observe(batch_size)
+    def batch_done(self, event: BatchDone) -> None:
+        self._batch_child.observe(event.batch_size)
 
     def queue_depth(self, depth: int) -> None:
         self._depth_child.set(depth)
@@ -101,6 +102,28 @@ class ServingMetrics:
 
     def inflight(self, delta: int) -> None:
         self._inflight_child.inc(delta)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class TaskMetrics:
+    """The daemon's background tasks (agent/supervisor.py): whether each runs, and how often
+    one failed. A fleet's monitoring alerts on ``edge_agent_task_up == 0`` for a task that
+    should run."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._up = Gauge("edge_agent_task_up", "1 while the background task runs, else 0",
+                         ["task"], registry=self.registry)
+        self._failures = Counter("edge_agent_task_failures", "Background task failures (raised, "
+                                 "or ended while the daemon still ran)", ["task"],
+                                 registry=self.registry)
+
+    def task_changed(self, name: str, *, running: bool, failed: bool) -> None:
+        self._up.labels(name).set(1 if running else 0)
+        if failed:
+            self._failures.labels(name).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ from typing import Any
 from agent.backends.base import Backend, TensorInfo
 from agent.batcher import Batcher, BatchPolicy
 from agent.metrics import ServingMetrics
+from agent.observers import BatchDone, Observers, RequestDone, ServingObserver
 
 
 @dataclass
@@ -30,52 +31,49 @@ class _Stat:
         return {"count": self.count, "ns": self.ns}
 
 
-class _Statistics:
-    """Triton's statistics extension counters (success, fail, queue, compute)."""
+class _Statistics(ServingObserver):
+    """Triton's statistics extension counters: success, fail, queue and the three compute
+    phases of each successful request (its batch's input copy, run and output split)."""
 
     def __init__(self) -> None:
         self.success = _Stat()
         self.fail = _Stat()
         self.queue = _Stat()
+        self.compute_input = _Stat()
         self.compute_infer = _Stat()
+        self.compute_output = _Stat()
         self.inference_count = 0
         self.execution_count = 0
         self.last_inference_ms = 0
+        # Per batch size: the executions of that size and their three phases.
+        self.batches: dict[int, tuple[_Stat, _Stat, _Stat]] = {}
 
-    def request_done(self, outcome: str, *, queue_s: float, compute_s: float,
-                     total_s: float) -> None:
-        if outcome == "success":
-            self.success.add(total_s)
-            self.queue.add(queue_s)
-            self.compute_infer.add(compute_s)
+    def request_done(self, event: RequestDone) -> None:
+        if event.outcome == "success":
+            self.success.add(event.total_s)
+            self.queue.add(event.queue_s)
+            self.compute_input.add(event.compute_input_s)
+            self.compute_infer.add(event.compute_s)
+            self.compute_output.add(event.compute_output_s)
             self.last_inference_ms = int(time.time() * 1000)
         else:
-            self.fail.add(total_s)
+            self.fail.add(event.total_s)
 
-    def batch_done(self, batch_size: int, compute_s: float) -> None:
-        self.inference_count += batch_size
+    def batch_done(self, event: BatchDone) -> None:
+        self.inference_count += event.batch_size
         self.execution_count += 1
+        phases = self.batches.get(event.batch_size)
+        if phases is None:
+            phases = self.batches[event.batch_size] = (_Stat(), _Stat(), _Stat())
+        for stat, seconds in zip(phases, (event.compute_input_s, event.compute_s,
+                                          event.compute_output_s)):
+            stat.add(seconds)
 
-    def queue_depth(self, depth: int) -> None:
-        pass
-
-
-class _Observers:
-    def __init__(self, *observers: Any) -> None:
-        self._observers = observers
-
-    def request_done(self, outcome: str, *, queue_s: float, compute_s: float,
-                     total_s: float) -> None:
-        for observer in self._observers:
-            observer.request_done(outcome, queue_s=queue_s, compute_s=compute_s, total_s=total_s)
-
-    def batch_done(self, batch_size: int, compute_s: float) -> None:
-        for observer in self._observers:
-            observer.batch_done(batch_size, compute_s)
-
-    def queue_depth(self, depth: int) -> None:
-        for observer in self._observers:
-            observer.queue_depth(depth)
+    def batch_stats(self) -> list[dict[str, Any]]:
+        """Triton's ``batch_stats``: one entry per batch size executed, smallest first."""
+        return [{"batch_size": size, "compute_input": phases[0].to_json(),
+                 "compute_infer": phases[1].to_json(), "compute_output": phases[2].to_json()}
+                for size, phases in sorted(self.batches.items())]
 
 
 class ModelService:
@@ -87,8 +85,10 @@ class ModelService:
         self.version = version
         self.metrics = metrics or ServingMetrics(name)
         self.statistics = _Statistics()
-        self.batcher = Batcher(backends, policy, observer=_Observers(self.metrics, self.statistics),
-                               buffer_sets=buffer_sets)
+        # What the batcher reports goes to these and to whatever subscribes later (the power
+        # governor, the updater's canary).
+        self.observers = Observers(self.metrics, self.statistics)
+        self.batcher = Batcher(backends, policy, observer=self.observers, buffer_sets=buffer_sets)
         self.ready = False
         self.metrics.set_model_version(version)
 
@@ -165,7 +165,7 @@ class ModelService:
 
     def stats(self) -> dict[str, Any]:
         stats = self.statistics
-        zero = _Stat().to_json()
+        never = _Stat().to_json()  # this server has no response cache: nothing hits or misses
         return {
             "name": self.name,
             "version": str(self.version),
@@ -176,11 +176,11 @@ class ModelService:
                 "success": stats.success.to_json(),
                 "fail": stats.fail.to_json(),
                 "queue": stats.queue.to_json(),
-                "compute_input": zero,
+                "compute_input": stats.compute_input.to_json(),
                 "compute_infer": stats.compute_infer.to_json(),
-                "compute_output": zero,
-                "cache_hit": zero,
-                "cache_miss": zero,
+                "compute_output": stats.compute_output.to_json(),
+                "cache_hit": never,
+                "cache_miss": never,
             },
-            "batch_stats": [],
+            "batch_stats": stats.batch_stats(),
         }

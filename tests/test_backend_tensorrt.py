@@ -405,25 +405,26 @@ def test_a_daemon_asked_to_stop_while_building_gives_up_the_start(
         tmp_path: Path) -> None:
     """SIGTERM during a first start's engine build (minutes on a board) ends the start within a
     build step instead of after the build: the daemon's stop request reaches TensorRT."""
-    from agent import daemon as daemon_module
+    from agent import runtime
+    from agent.daemon import Daemon
     from agent.config import load_config
 
     monkeypatch.setattr(TensorRTBackend, "__init__", _board_backend_init(board))
     config = load_config(None, env={}, overrides={"state_dir": tmp_path / "state",
                                                   "serving.backend": "tensorrt",
                                                   "serving.instances": 2})
-    daemon = daemon_module.Daemon(config)
+    daemon = Daemon(config)
     try:
         board.state.on_build_step = lambda step: daemon.request_stop() if step == 0 else None
-        policy = daemon_module.batch_policy(config, artifacts)
+        policy = runtime.batch_policy(config, artifacts)
         with pytest.raises(StopRequested):
-            daemon_module.start_backends(config, artifacts, policy,
-                                         daemon._stop_requested.is_set)
+            runtime.start_backends(config, artifacts, policy,
+                                   daemon._stop_requested.is_set)
         assert board.state.builds == [] and live_objects(board) == {}
         assert len(board.devices) == 1  # the second instance was never started
         # With the request already made, not even the first instance starts.
         with pytest.raises(StopRequested):
-            daemon_module.start_backends(config, artifacts, policy, lambda: True)
+            runtime.start_backends(config, artifacts, policy, lambda: True)
         assert len(board.devices) == 1
     finally:
         daemon.close()

@@ -26,6 +26,7 @@ from agent.batcher import (
     QueueFull,
 )
 from agent.errors import ConfigError, InputError
+from agent.observers import BatchDone, RequestDone, ServingObserver
 from agent.scattered import DeferredArray
 from tests.tiny_models import (
     GatedBackend,
@@ -40,18 +41,17 @@ def model_path(tmp_path: Path) -> Path:
     return tiny_classifier(tmp_path / "model" / "model.onnx")
 
 
-class Recorder:
+class Recorder(ServingObserver):
     def __init__(self) -> None:
         self.batches: list[int] = []
         self.outcomes: list[str] = []
         self.depths: list[int] = []
 
-    def request_done(self, outcome: str, *, queue_s: float, compute_s: float,
-                     total_s: float) -> None:
-        self.outcomes.append(outcome)
+    def request_done(self, event: RequestDone) -> None:
+        self.outcomes.append(event.outcome)
 
-    def batch_done(self, batch_size: int, compute_s: float) -> None:
-        self.batches.append(batch_size)
+    def batch_done(self, event: BatchDone) -> None:
+        self.batches.append(event.batch_size)
 
     def queue_depth(self, depth: int) -> None:
         self.depths.append(depth)

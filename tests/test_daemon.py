@@ -305,12 +305,13 @@ def test_sigterm_while_starting_ends_the_start_and_frees_the_store(
     in progress: the start gives up, the daemon exits cleanly and lets go of its state
     directory. The first start here sends itself SIGTERM and waits until the daemon's stop
     request is visible to it, as an engine build polls it between steps."""
-    from agent import daemon as daemon_module
+    from agent import runtime
     from agent.config import load_config
+    from agent.run import run_daemon
     from agent.store import ModelStore
 
     bundle, pubkey, _ = signed
-    real_start = daemon_module.start_backends
+    real_start = runtime.start_backends
     seen: list[bool] = []
 
     def start_that_is_interrupted(config: Any, artifacts: Any, policy: Any,
@@ -322,12 +323,12 @@ def test_sigterm_while_starting_ends_the_start_and_frees_the_store(
         seen.append(stop_requested())
         return real_start(config, artifacts, policy, stop_requested)
 
-    monkeypatch.setattr(daemon_module, "start_backends", start_that_is_interrupted)
+    monkeypatch.setattr(runtime, "start_backends", start_that_is_interrupted)
     state_dir = tmp_path / "state"
     config = load_config(None, env={}, overrides={"state_dir": state_dir, "http.port": 0,
                                                   "trust.public_keys": [pubkey]})
     ready: list[int] = []
-    assert daemon_module.run_daemon(config, bundle=bundle, on_ready=ready.append) == 0
+    assert run_daemon(config, bundle=bundle, on_ready=ready.append) == 0
     assert seen == [True] and ready == []  # it never served
     # The state directory is free again, and the installed model is intact, but not current:
     # a version becomes current once it serves.
@@ -446,7 +447,8 @@ def _junk_model_bundle(directory: Path, key: Any, version: int) -> Path:
 
 def test_a_bundle_whose_model_does_not_load_does_not_become_current(
         tmp_path: Path, signed: tuple[Path, Path, Any], caplog: pytest.LogCaptureFixture) -> None:
-    from agent.daemon import Daemon, run_daemon
+    from agent.daemon import Daemon
+    from agent.run import run_daemon
     from agent.errors import AgentError
 
     bundle, public_key, key = signed
@@ -490,34 +492,37 @@ def test_sighup_neither_kills_nor_stops_the_daemon(tmp_path: Path,
 
 def test_a_busy_port_is_found_before_the_model_loads(
         tmp_path: Path, signed: tuple[Path, Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent import daemon as daemon_module
+    from agent import runtime
+    from agent.daemon import Daemon
     from agent.errors import AgentError
+    from agent.run import run_daemon
 
     bundle, public_key, _ = signed
     config = _config(tmp_path, public_key)
-    first = daemon_module.Daemon(config)
+    first = Daemon(config)
     first.make_current(first.install(bundle))
     first.close()
     started: list[bool] = []
-    monkeypatch.setattr(daemon_module, "start_backends",
+    monkeypatch.setattr(runtime, "start_backends",
                         lambda *args, **kwargs: started.append(True))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = _config(tmp_path, public_key, **{"http.port": taken.getsockname()[1]})
         with pytest.raises(AgentError, match="cannot listen for HTTP"):
-            daemon_module.run_daemon(busy)  # no --bundle: the plain restart case
+            run_daemon(busy)  # no --bundle: the plain restart case
     assert not started
 
 
 def test_a_stop_during_warm_up_ends_it_between_batches(tmp_path: Path,
                                                        signed: tuple[Path, Path, Any]) -> None:
-    from agent.daemon import start_backends
+    from agent.runtime import start_backends
     from agent.errors import StopRequested
 
     bundle, public_key, _ = signed
     config = _config(tmp_path, public_key, **{"serving.warmup_batches": 100000})
-    from agent.daemon import Daemon, batch_policy
+    from agent.daemon import Daemon
+    from agent.runtime import batch_policy
 
     daemon = Daemon(config)
     try:
@@ -538,7 +543,8 @@ def test_a_stop_during_warm_up_ends_it_between_batches(tmp_path: Path,
 
 def test_preferred_batch_sizes_beyond_the_bundle_are_named_and_the_optimum_kept(
         tmp_path: Path, signed: tuple[Path, Path, Any], caplog: pytest.LogCaptureFixture) -> None:
-    from agent.daemon import Daemon, batch_policy
+    from agent.daemon import Daemon
+    from agent.runtime import batch_policy
 
     bundle, public_key, _ = signed
     config = _config(tmp_path, public_key, **{"serving.max_batch_size": 64,

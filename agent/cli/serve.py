@@ -56,7 +56,7 @@ def load_with_keys(args: argparse.Namespace) -> Any:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from agent.daemon import run_daemon
+    from agent.run import run_daemon
     from agent.log import apply_level
 
     config = load_with_keys(args)

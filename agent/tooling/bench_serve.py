@@ -168,7 +168,7 @@ class RawBackend:
     """The configured backend instances in this process, timed without HTTP."""
 
     def __init__(self, config: Any, artifacts: Any, sample_shape: tuple[int, ...]) -> None:
-        from agent.daemon import batch_policy, start_backends
+        from agent.runtime import batch_policy, start_backends
 
         self.policy = batch_policy(config, artifacts)
         self.sizes = sorted({size for size in (1, 4, artifacts.opt_batch, 16,

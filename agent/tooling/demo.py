@@ -14,7 +14,6 @@ import json
 import logging
 import mmap
 import os
-import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from agent.deps import require
-from agent.errors import AgentError, ConfigError, InputError, StoreError, Terminated
+from agent.errors import AgentError, ConfigError, InputError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +185,27 @@ async def _shm_requests(aiohttp: Any, base: str, model: str, input_name: str,
     return predictions
 
 
+async def _query(base: str, model: str, input_name: str, images: np.ndarray,
+                 options: DemoOptions) -> dict[str, Any]:
+    """The demo's clients: every image over HTTP from concurrent clients, a few through shared
+    memory, then the server's metrics and statistics."""
+    print(f"daemon serving KServe v2 on {base}")
+    started = time.perf_counter()
+    predictions, latencies = await _send_all(base, model, input_name, images,
+                                             options.concurrency)
+    wall_s = time.perf_counter() - started
+    shm_predictions = await _send_through_shared_memory(base, model, input_name,
+                                                        images[:options.shm_requests])
+    aiohttp = require("aiohttp", extra="device", purpose="the demo's client")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{base}/metrics") as response:
+            metrics_text = await response.text()
+        async with session.get(f"{base}/v2/models/{model}/stats") as response:
+            stats = json.loads(await response.text())["model_stats"][0]
+    return {"predictions": predictions, "latencies": latencies, "wall_s": wall_s,
+            "shm": shm_predictions, "metrics": metrics_text, "stats": stats}
+
+
 def _percentiles_ms(latencies: list[float]) -> list[float]:
     from agent.tooling.loadgen import percentiles
 
@@ -243,6 +263,7 @@ def _run_demo(options: DemoOptions, out_dir: Path) -> int:
     from agent.backends import resolve_backend_name
     from agent.config import load_config
     from agent.daemon import Daemon
+    from agent.run import run_foreground
 
     bundle, public_key = find_or_build_bundle(out_dir)
     state_dir = out_dir / "state"
@@ -251,43 +272,30 @@ def _run_demo(options: DemoOptions, out_dir: Path) -> int:
         "state_dir": state_dir, "http.port": 0, "trust.public_keys": [public_key],
         "serving.backend": options.backend})
     daemon = Daemon(config)
-    artifacts = daemon.install(bundle)
-    print(f"installed {artifacts.name} v{artifacts.version} from {bundle} into {state_dir}")
-    images, labels, whole_split = held_out_digits(dict(artifacts.manifest), options.requests)
-    expected = (expected_accuracy(dict(artifacts.manifest), resolve_backend_name(options.backend))
-                if whole_split else "")
-    input_name = artifacts.manifest["inputs"][0]["name"]
-
-    async def main() -> dict[str, Any]:
-        # SIGTERM cancels this task, so that the finally below drains the daemon (asyncio does
-        # so for Ctrl-C; a SIGTERM raised anywhere in the loop would skip it).
-        asyncio.get_running_loop().add_signal_handler(
-            signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
-        port = await daemon.start(artifacts)  # current once it serves
-        base = f"http://127.0.0.1:{port}"
-        print(f"daemon serving KServe v2 on {base}")
-        try:
-            started = time.perf_counter()
-            predictions, latencies = await _send_all(base, artifacts.name, input_name, images,
-                                                     options.concurrency)
-            wall_s = time.perf_counter() - started
-            shm_predictions = await _send_through_shared_memory(
-                base, artifacts.name, input_name, images[:options.shm_requests])
-            aiohttp = require("aiohttp", extra="device", purpose="the demo's client")
-            async with aiohttp.ClientSession() as session:
-                async with session.get(f"{base}/metrics") as response:
-                    metrics_text = await response.text()
-                async with session.get(f"{base}/v2/models/{artifacts.name}/stats") as response:
-                    stats = json.loads(await response.text())["model_stats"][0]
-        finally:
-            await daemon.stop()
-        return {"predictions": predictions, "latencies": latencies, "wall_s": wall_s,
-                "shm": shm_predictions, "metrics": metrics_text, "stats": stats}
-
     try:
-        result = asyncio.run(main())
-    except asyncio.CancelledError:
-        raise Terminated() from None
+        artifacts = daemon.install(bundle)
+        print(f"installed {artifacts.name} v{artifacts.version} from {bundle} into {state_dir}")
+        images, labels, whole_split = held_out_digits(dict(artifacts.manifest), options.requests)
+        expected = (expected_accuracy(dict(artifacts.manifest),
+                                      resolve_backend_name(options.backend))
+                    if whole_split else "")
+        input_name = artifacts.manifest["inputs"][0]["name"]
+
+        async def clients(port: int) -> dict[str, Any]:
+            return await _query(f"http://127.0.0.1:{port}", artifacts.name, input_name, images,
+                                options)
+
+        # The same lifecycle as `edge-agent serve`: SIGTERM or Ctrl-C cancels the clients, and
+        # the daemon drains before the command ends.
+        result = run_foreground(daemon, candidate=artifacts, session=clients)
+    finally:
+        daemon.close()
+    return _report(result, labels, expected, options)
+
+
+def _report(result: dict[str, Any], labels: np.ndarray, expected: str,
+            options: DemoOptions) -> int:
+    """Print what the clients saw; the exit status says whether it was right."""
     predictions, latencies = result["predictions"], result["latencies"]
     correct = int((predictions == labels).sum())
     print("\nfirst predictions (label -> predicted):",

@@ -1,0 +1,289 @@
+"""The daemon's lifecycle in one process: its states, its background tasks and what the serving
+path reports to subscribers, on a real signed bundle of a tiny model served by ONNX Runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from agent.config import load_config
+from agent.daemon import TRANSITIONS, Daemon, DaemonState
+from agent.errors import AgentError, InternalError, Terminated
+from agent.observers import BatchDone, RequestDone, ServingObserver
+from agent.run import run_foreground
+from agent.supervisor import Supervisor, TaskState
+from models.signing import load_private_key, write_keypair
+from tests.tiny_models import make_bundle
+
+
+@pytest.fixture()
+def daemon(tmp_path: Path) -> Daemon:
+    """A daemon with a tiny model installed; nothing started."""
+    key_path = tmp_path / "keys" / "fleet.key"
+    key_path.parent.mkdir()
+    write_keypair(key_path)
+    bundle, _ = make_bundle(tmp_path, key=load_private_key(key_path))
+    config = load_config(None, env={}, overrides={
+        "state_dir": tmp_path / "state", "http.port": 0, "serving.backend": "onnxruntime",
+        "trust.public_keys": [Path(str(key_path) + ".pub")]})
+    installer = Daemon(config)
+    installer.make_current(installer.install(bundle))
+    installer.close()
+    return Daemon(config)
+
+
+def infer(port: int) -> None:
+    """One real request over HTTP (a blocking client, run off the loop)."""
+    from agent.tooling.loadgen import encode_request
+
+    body, header_length = encode_request(
+        "input", np.zeros((1, 3, 16, 16), np.float32), datatype="FP32")
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v2/models/tiny/infer", data=body,
+        headers={"Inference-Header-Content-Length": str(header_length),
+                 "Content-Type": "application/octet-stream"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+
+async def infer_async(port: int, count: int = 1) -> None:
+    loop = asyncio.get_running_loop()
+    for _ in range(count):
+        await loop.run_in_executor(None, infer, port)
+
+
+def test_constructing_a_daemon_touches_nothing(tmp_path: Path) -> None:
+    config = load_config(None, env={}, overrides={"state_dir": tmp_path / "state"})
+    daemon = Daemon(config)
+    assert daemon.state is DaemonState.CREATED
+    assert not (tmp_path / "state").exists()
+
+
+def test_the_states_follow_the_table_through_a_run(daemon: Daemon) -> None:
+    seen: list[DaemonState] = []
+    daemon.add_state_listener(seen.append)
+
+    async def session(port: int) -> str:
+        assert daemon.state is DaemonState.SERVING
+        await infer_async(port)
+        return "done"
+
+    assert run_foreground(daemon, session=session) == "done"
+    assert seen == [DaemonState.STARTING, DaemonState.SERVING, DaemonState.STOPPING,
+                    DaemonState.STOPPED]
+    assert all(after in TRANSITIONS[before] for before, after in
+               zip([DaemonState.CREATED, *seen], seen))
+    assert daemon.services == {} and daemon.server is None
+
+
+def test_an_illegal_transition_is_a_bug_of_ours(daemon: Daemon) -> None:
+    with pytest.raises(InternalError, match="cannot go from created to serving"):
+        daemon._set_state(DaemonState.SERVING)
+
+
+def test_a_failed_start_ends_failed(daemon: Daemon, tmp_path: Path) -> None:
+    (daemon.config.state_dir / "current").write_bytes(b"garbage")
+    seen: list[DaemonState] = []
+    daemon.add_state_listener(seen.append)
+    with pytest.raises(AgentError, match="pointer is corrupt"):
+        run_foreground(daemon)
+    assert seen == [DaemonState.STARTING, DaemonState.FAILED]
+
+
+def test_tasks_start_after_the_model_serves_and_stop_in_reverse_order_first(
+        daemon: Daemon) -> None:
+    events: list[str] = []
+
+    def task(name: str) -> Any:
+        async def run() -> None:
+            events.append(f"{name} started while {daemon.state.value}")
+            try:
+                await asyncio.Event().wait()
+            finally:
+                # Stopped before the listener closes: the model still answers.
+                events.append(f"{name} stopped, server {'open' if daemon.server else 'gone'}")
+        return run
+
+    daemon.add_task("first", task("first"))
+    daemon.add_task("second", task("second"))
+
+    async def session(port: int) -> None:
+        await asyncio.sleep(0)  # let the tasks run their first step
+        await infer_async(port)
+
+    run_foreground(daemon, session=session)
+    assert events == ["first started while serving", "second started while serving",
+                      "second stopped, server open", "first stopped, server open"]
+    assert [task.state for task in daemon.supervisor.status()] == [TaskState.STOPPED] * 2
+
+
+def test_a_task_that_dies_is_logged_and_visible_and_the_model_serves_on(
+        daemon: Daemon, caplog: pytest.LogCaptureFixture) -> None:
+    async def broken() -> None:
+        raise RuntimeError("the governor's sysfs write failed")
+
+    daemon.add_task("power", broken)
+
+    async def session(port: int) -> dict[str, Any]:
+        while daemon.supervisor.status()[0].state is TaskState.RUNNING:
+            await asyncio.sleep(0.01)
+        await infer_async(port)  # still serving
+        metrics = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                                 timeout=30).read().decode())
+        return {"status": daemon.status(), "metrics": metrics}
+
+    result = run_foreground(daemon, session=session)
+    task = result["status"]["tasks"][0]
+    assert task == {"name": "power", "critical": False, "state": "failed",
+                    "error": "the governor's sysfs write failed"}
+    assert result["status"]["state"] == "serving"
+    assert 'edge_agent_task_up{task="power"} 0.0' in result["metrics"]
+    assert 'edge_agent_task_failures_total{task="power"} 1.0' in result["metrics"]
+    failure = [record for record in caplog.records if "background task power failed" in
+               record.getMessage()]
+    assert failure and failure[0].levelno == logging.ERROR and failure[0].exc_info
+    assert daemon.state is DaemonState.STOPPED
+
+
+def test_a_critical_task_that_dies_stops_the_daemon_with_the_reason(daemon: Daemon) -> None:
+    async def watchdog() -> None:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("sd_notify socket gone")
+
+    daemon.add_task("watchdog", watchdog, critical=True)
+    seen: list[DaemonState] = []
+    daemon.add_state_listener(seen.append)
+
+    async def session(port: int) -> None:
+        await asyncio.Event().wait()  # serves until the daemon stops itself
+
+    with pytest.raises(AgentError, match="a critical background task failed") as caught:
+        run_foreground(daemon, session=session)
+    assert caught.value.fields == {"task": "watchdog", "reason": "sd_notify socket gone"}
+    assert seen[-2:] == [DaemonState.STOPPING, DaemonState.FAILED]
+
+
+def test_a_task_that_returns_by_itself_is_a_failure(daemon: Daemon) -> None:
+    async def gives_up() -> None:
+        return None
+
+    daemon.add_task("updater", gives_up)
+
+    async def session(port: int) -> list[Any]:
+        await asyncio.sleep(0.05)
+        return daemon.supervisor.status()
+
+    status = run_foreground(daemon, session=session)
+    assert status[0].state is TaskState.FAILED and "returned" in (status[0].error or "")
+
+
+def test_tasks_cannot_be_added_once_started_nor_twice_by_name() -> None:
+    supervisor = Supervisor()
+
+    async def idle() -> None:
+        await asyncio.Event().wait()
+
+    supervisor.add("a", idle)
+    with pytest.raises(InternalError, match="two background tasks"):
+        supervisor.add("a", idle)
+
+    async def main() -> None:
+        supervisor.start()
+        with pytest.raises(InternalError, match="after the tasks started"):
+            supervisor.add("b", idle)
+        await supervisor.stop()
+
+    asyncio.run(main())
+    assert supervisor.status()[0].state is TaskState.STOPPED
+
+
+def test_a_task_that_ignores_its_cancellation_does_not_hold_the_stop(
+        caplog: pytest.LogCaptureFixture) -> None:
+    supervisor = Supervisor(stop_timeout_s=0.2)
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # a bug: it swallows the first cancellation...
+        await asyncio.sleep(3600)  # ...and ends at the loop's own shutdown
+
+    supervisor.add("stubborn", stubborn)
+
+    async def main() -> TaskState:
+        supervisor.start()
+        await asyncio.sleep(0)
+        await supervisor.stop()
+        return supervisor.status()[0].state
+
+    assert asyncio.run(main()) is TaskState.RUNNING
+    assert "background task stubborn did not stop within 0.2 s of being cancelled" in caplog.text
+
+
+class Recording(ServingObserver):
+    def __init__(self) -> None:
+        self.requests: list[RequestDone] = []
+        self.batches: list[BatchDone] = []
+
+    def request_done(self, event: RequestDone) -> None:
+        self.requests.append(event)
+
+    def batch_done(self, event: BatchDone) -> None:
+        self.batches.append(event)
+
+
+class Broken(ServingObserver):
+    def request_done(self, event: RequestDone) -> None:
+        raise ValueError("an observer's bug")
+
+
+def test_a_component_subscribes_to_what_the_serving_path_reports(
+        daemon: Daemon, caplog: pytest.LogCaptureFixture) -> None:
+    recording, broken = Recording(), Broken()
+
+    async def session(port: int) -> dict[str, Any]:
+        observers = daemon.services["tiny"].observers
+        observers.subscribe(broken)
+        unsubscribe = observers.subscribe(recording)
+        await infer_async(port, 3)  # the broken observer's failure fails no request
+        unsubscribe()
+        await infer_async(port)
+        return daemon.services["tiny"].stats()
+
+    stats = run_foreground(daemon, session=session)
+    assert [event.outcome for event in recording.requests] == ["success"] * 3
+    assert {event.version for event in recording.requests} == {1}
+    assert all(event.total_s >= event.queue_s + event.compute_s for event in recording.requests)
+    assert sum(event.batch_size for event in recording.batches) == 3
+    assert "serving observer Broken failed and is unsubscribed" in caplog.text
+    # Triton's statistics count every phase of the four successful requests.
+    inference = stats["inference_stats"]
+    for phase in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        assert inference[phase]["count"] == 4, phase
+    assert inference["compute_infer"]["ns"] > 0 and inference["compute_input"]["ns"] > 0
+    assert sum(entry["compute_infer"]["count"] for entry in stats["batch_stats"]) == \
+        stats["execution_count"]
+
+
+def test_sigterm_during_a_session_drains_and_ends_as_terminated(daemon: Daemon) -> None:
+    async def session(port: int) -> None:
+        await infer_async(port)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.Event().wait()
+
+    seen: list[DaemonState] = []
+    daemon.add_state_listener(seen.append)
+    with pytest.raises(Terminated):
+        run_foreground(daemon, session=session)
+    assert seen[-1] is DaemonState.STOPPED
