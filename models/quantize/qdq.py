@@ -83,7 +83,22 @@ class QdqQuantizer:
         self.cache_path = self.workdir / "calibration.json"
         raw_path = self.workdir / "float.raw.onnx"
         atomic_write_bytes(raw_path, float_model)
-        # Shape inference and basic graph optimisation, as ONNX Runtime recommends before QDQ.
+        self._pre_process(raw_path)
+        self.float_model = onnx.load(str(self.float_path))
+        self.candidates = [
+            (node.name, node.op_type)
+            for node in self.float_model.graph.node
+            if node.op_type in CANDIDATE_OP_TYPES
+        ]
+        names = [node.name for node in self.float_model.graph.node]
+        if len(set(names)) != len(names) or any(not name for name in names):
+            raise QuantizationError("every node of the model needs a unique, non-empty name")
+        self._neighbours = _candidate_neighbours(self.float_model, {name for name, _ in self.candidates})
+        self.calibration_seconds = 0.0
+
+    def _pre_process(self, raw_path: Path) -> None:
+        """Shape inference and basic graph optimisation, as ONNX Runtime recommends before QDQ,
+        from ``raw_path`` to :attr:`float_path`."""
         # In the work directory: when its symbolic shape inference gives up, ONNX Runtime saves
         # sym_shape_infer_temp.onnx and a <uuid>.data file into the current directory.
         present = set(self.workdir.iterdir())
@@ -101,17 +116,6 @@ class QdqQuantizer:
                                                  skip_symbolic_shape=True)
             for leftover in set(self.workdir.iterdir()) - present - {self.float_path}:
                 leftover.unlink(missing_ok=True)  # ONNX Runtime's debug copy of the model
-        self.float_model = onnx.load(str(self.float_path))
-        self.candidates = [
-            (node.name, node.op_type)
-            for node in self.float_model.graph.node
-            if node.op_type in CANDIDATE_OP_TYPES
-        ]
-        names = [node.name for node in self.float_model.graph.node]
-        if len(set(names)) != len(names) or any(not name for name in names):
-            raise QuantizationError("every node of the model needs a unique, non-empty name")
-        self._neighbours = _candidate_neighbours(self.float_model, {name for name, _ in self.candidates})
-        self.calibration_seconds = 0.0
 
     def expand_exclusions(self, excluded: Sequence[str]) -> list[str]:
         """``excluded`` plus every other node (Relu, pooling, ...) whose neighbouring layers are all

@@ -202,33 +202,11 @@ def quantize_model(
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    float_outputs = evaluator.outputs(float_model)
-    float_metric = evaluator.score(float_outputs)
-    reference = float_metric if config.reference_metric is None else config.reference_metric
-    if reference - float_metric > config.accuracy_budget:
-        raise QuantizationError(
-            "the float model is already further below the reference than the accuracy budget "
-            "allows, before any INT8 (prune less, or fine-tune longer)",
-            reference=round(reference, 3),
-            float_metric=round(float_metric, 3),
-            budget=config.accuracy_budget,
-        )
-    warn_if_too_few_predictions(evaluator, config.accuracy_budget)
+    float_metric, reference = _float_baseline(float_model, evaluator, config)
     quantizer = QdqQuantizer(float_model, calibration, config, workdir)
 
-    full_int8 = quantizer.quantize()
+    full_metric = _quantize_fully(quantizer, evaluator, float_metric)
     timings["calibration_s"] = quantizer.calibration_seconds
-    full_outputs = evaluator.outputs(full_int8)
-    full_metric = evaluator.score(full_outputs)
-    log.info(
-        "calibrated %d samples (%s) in %.1f s; fully INT8 %s %.2f vs FP32 %.2f",
-        len(calibration),
-        config.method,
-        quantizer.calibration_seconds,
-        evaluator.metric_name,
-        full_metric,
-        float_metric,
-    )
 
     sensitivity_started = time.perf_counter()
     sensitivity_evaluator = _subset(evaluator, config.sensitivity_samples)
@@ -273,6 +251,42 @@ def quantize_model(
         seconds=timings,
         outputs=outputs,
     )
+
+
+def _float_baseline(float_model: bytes, evaluator: Evaluator,
+                    config: QuantizeConfig) -> tuple[float, float]:
+    """The float model's metric and the one the budget is counted from; refused when the float
+    model alone already spends more than the budget."""
+    float_outputs = evaluator.outputs(float_model)
+    float_metric = evaluator.score(float_outputs)
+    reference = float_metric if config.reference_metric is None else config.reference_metric
+    if reference - float_metric > config.accuracy_budget:
+        raise QuantizationError(
+            "the float model is already further below the reference than the accuracy budget "
+            "allows, before any INT8 (prune less, or fine-tune longer)",
+            reference=round(reference, 3),
+            float_metric=round(float_metric, 3),
+            budget=config.accuracy_budget,
+        )
+    warn_if_too_few_predictions(evaluator, config.accuracy_budget)
+    return float_metric, reference
+
+
+def _quantize_fully(quantizer: QdqQuantizer, evaluator: Evaluator, float_metric: float) -> float:
+    """The metric of the model with every candidate layer in INT8 (this calibrates)."""
+    full_int8 = quantizer.quantize()
+    full_outputs = evaluator.outputs(full_int8)
+    full_metric = evaluator.score(full_outputs)
+    log.info(
+        "calibrated %d samples (%s) in %.1f s; fully INT8 %s %.2f vs FP32 %.2f",
+        len(quantizer.calibration),
+        quantizer.config.method,
+        quantizer.calibration_seconds,
+        evaluator.metric_name,
+        full_metric,
+        float_metric,
+    )
+    return full_metric
 
 
 def _subset(evaluator: Evaluator, samples: int) -> Evaluator:
