@@ -295,7 +295,7 @@ def test_one_channel_outputs_without_a_decision_are_judged_by_relative_error():
 
 
 def test_a_subset_keeps_the_judgement_of_the_whole_set():
-    from models.quantize import _subset
+    from models.quantize.search import _subset
 
     reference = np.array([[3.0], [4.0], [-1.0]], np.float32)  # a decision only in the last one
     evaluator = Evaluator({"input": np.zeros((3, 1), np.float32)}, reference=reference)
@@ -337,16 +337,16 @@ def test_an_outputs_layout_is_told_by_the_graph_then_its_shape(tail, shape, inpu
 
 
 def test_evaluation_sessions_use_the_builds_thread_count(digits, trained_onnx, monkeypatch):
-    from models import quantize
+    from models.quantize import evaluate
 
     asked = []
-    real = quantize.create_session
+    real = evaluate.create_session
 
     def recording(model, **kwargs):
         asked.append(kwargs.get("threads"))
         return real(model, **kwargs)
 
-    monkeypatch.setattr(quantize, "create_session", recording)
+    monkeypatch.setattr(evaluate, "create_session", recording)
     _, held_out = digits
     Evaluator({"input": held_out.images[:8]}, held_out.labels[:8], threads=1)(trained_onnx)
     assert asked == [1]
