@@ -655,7 +655,7 @@ def test_compressed_json_requests_are_read_too(server: ServerThread) -> None:
 
 def test_decoding_bounds_output_and_reads_whole_streams() -> None:
     from agent.api.codec import RequestError
-    from agent.api.server import decode_body
+    from agent.api.encoding import decode_body
 
     # Concatenated gzip members are one body; bytes after a deflate stream are refused.
     assert decode_body(gzip.compress(b"ab") + gzip.compress(b"cd"), "gzip", 100) == b"abcd"
@@ -680,7 +680,7 @@ def test_brotli_bodies_are_bounded_too() -> None:
     if not hasattr(brotli.Decompressor(), "can_accept_more_data"):
         pytest.skip("Brotli before 1.2 cannot bound its output")
     from agent.api.codec import RequestError
-    from agent.api.server import decode_body
+    from agent.api.encoding import decode_body
 
     assert decode_body(brotli.compress(b"frame" * 1000), "br", 1 << 20) == b"frame" * 1000
     with pytest.raises(RequestError) as caught:

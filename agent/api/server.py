@@ -14,7 +14,6 @@ import asyncio
 import hmac
 import logging
 import time
-import zlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from agent import __version__
 from agent.api.codec import HEADER_LENGTH, RequestError, decode_request, encode_response, parse_json
+from agent.api.encoding import ENCODINGS, decode_body
 from agent.api.shm import SystemSharedMemory
 from agent.batcher import DeadlineExceeded, NotServing, QueueFull
 from agent.errors import AgentError, InputError, first_line
@@ -37,91 +37,6 @@ log = logging.getLogger(__name__)
 
 EXTENSIONS = ["binary_tensor_data", "system_shared_memory", "model_repository", "statistics"]
 _OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
-# Content-Encoding values the server decodes (br needs the Brotli package, which the device
-# extra does not install: without it br is a 415 like any unknown encoding).
-_ENCODINGS = ("identity", "gzip", "deflate", "br")
-_DECODE_PIECE = 1 << 16  # compressed bytes handed to the br decoder at a time
-
-
-def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
-    """Decompress a request body sent with ``Content-Encoding``, refusing it (413) as soon as its
-    output passes ``limit`` bytes: a small compressed body can expand to gigabytes, so no step
-    produces more than the bytes still allowed.
-
-    Raises:
-        RequestError: 415 for an encoding this host cannot decode, 400 for a body that is not
-            valid in its encoding (or stops early, or has bytes after its end), 413 for one that
-            expands past ``limit``.
-    """
-    if encoding == "br":
-        return _decode_brotli(raw, limit)
-    if encoding == "gzip":
-        wbits = 16 + zlib.MAX_WBITS
-    else:
-        # deflate is zlib-wrapped by the standard, though some clients send the bare stream.
-        zlib_header = len(raw) >= 2 and raw[0] & 0x0F == 8 and (raw[0] << 8 | raw[1]) % 31 == 0
-        wbits = zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS
-    pieces: list[bytes] = []
-    size = 0
-    data = raw
-    decoder = zlib.decompressobj(wbits)
-    try:
-        while True:
-            piece = decoder.decompress(data, limit - size + 1)
-            size += len(piece)
-            if size > limit:
-                raise RequestError("request body too large once decompressed", status=413,
-                                   limit=limit)
-            pieces.append(piece)
-            data = decoder.unconsumed_tail
-            if decoder.eof:
-                if not decoder.unused_data:
-                    break
-                if encoding != "gzip":
-                    raise RequestError(f"request body cannot be read: bytes after the end of "
-                                       f"the {encoding} stream")
-                # Concatenated gzip members are one gzip body.
-                data, decoder = decoder.unused_data, zlib.decompressobj(wbits)
-            elif not data and not piece:
-                raise RequestError(f"request body cannot be read: {encoding} data ends early")
-    except zlib.error as exc:
-        raise RequestError(f"request body cannot be read: not valid {encoding}",
-                           reason=str(exc)) from None
-    return b"".join(pieces)
-
-
-def _decode_brotli(raw: bytes, limit: int) -> bytes:
-    try:
-        import brotli  # type: ignore[import-not-found, import-untyped, unused-ignore]
-    except ImportError:
-        brotli = None
-    if brotli is None or not hasattr(brotli.Decompressor(), "can_accept_more_data"):
-        # Before Brotli 1.2 a decompressor cannot bound its output.
-        raise RequestError("Content-Encoding br needs the Brotli package (1.2 or newer) on "
-                           "this host", status=415, supported=["identity", "gzip", "deflate"])
-    decoder = brotli.Decompressor()
-    pieces: list[bytes] = []
-    size = 0
-    try:
-        for start in range(0, max(len(raw), 1), _DECODE_PIECE):
-            chunk = raw[start:start + _DECODE_PIECE]
-            while True:
-                piece = decoder.process(chunk, output_buffer_limit=limit - size + 1)
-                size += len(piece)
-                if size > limit:
-                    raise RequestError("request body too large once decompressed", status=413,
-                                       limit=limit)
-                pieces.append(piece)
-                chunk = b""
-                if decoder.can_accept_more_data():
-                    break
-    except brotli.error as exc:
-        raise RequestError("request body cannot be read: not valid br", reason=str(exc)) from None
-    if not decoder.is_finished():
-        raise RequestError("request body cannot be read: br data ends early")
-    return b"".join(pieces)
-
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -438,9 +353,9 @@ class InferenceServer:
     async def _read_whole_body(self, request: web.Request) -> bytes:
         """The whole body as bytes, decompressed when it was sent compressed."""
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding not in _ENCODINGS:
+        if encoding not in ENCODINGS:
             raise RequestError("unsupported Content-Encoding", status=415, found=encoding,
-                               supported=list(_ENCODINGS))
+                               supported=list(ENCODINGS))
         raw = await request.read()
         return raw if encoding == "identity" else decode_body(raw, encoding, self._max_body_bytes)
 
