@@ -1,29 +1,5 @@
-"""The dynamic batcher: queues requests and runs them in batches on the backend instances.
-
-It lives on the HTTP server's asyncio loop; each backend instance has two worker threads, one that
-copies a formed batch into the instance's staged buffers and one that runs it, so a full batch is
-assembled while the previous one computes.
-
-When a batch goes (Triton's rules, see docs/reference/serving.md §1):
-
-* An idle instance takes requests as soon as they make a full batch (``max_batch_size``) or the
-  leading ones add up to exactly a preferred size (the largest such run is sent), when the oldest
-  request has waited ``max_queue_delay_us``, or when waiting longer would let a queued request's
-  deadline pass.
-* While every instance is busy, the pending batch keeps growing; only a full batch is staged ahead
-  into an instance's spare buffer set, so nothing is cut short just because an instance was busy.
-* Requests are taken by priority (1 is the highest), first come first served within a level, and a
-  batch only joins requests whose per-sample shapes match (one bundle serves several frame sizes).
-* A request whose deadline passes before its batch starts to run (queued, or staged behind the
-  running batch) is answered with :class:`DeadlineExceeded`, never with a late result; queue time
-  runs until the batch starts. A request's timeout may only shorten ``default_timeout_us``. A full
-  queue rejects new requests at once with :class:`QueueFull` (the API answers 503); a cancelled
-  request (its HTTP client went away) leaves the queue at once.
-* A failed batch fails only its own requests, each with the error.
-
-What happens is reported to one observer (agent/observers.py: the model's metrics, statistics
-and whatever else subscribed); a snapshot of the load comes from :meth:`Batcher.load`.
-"""
+"""The :class:`Batcher`: queues, batch forming and dispatch over a model's instances (the rules
+are in agent/batcher/__init__.py)."""
 
 from __future__ import annotations
 
@@ -41,114 +17,23 @@ from typing import Any
 import numpy as np
 
 from agent.backends.base import Backend
+from agent.batcher.policy import (
+    MAX_TIMEOUT_US,
+    BatchPolicy,
+    DeadlineExceeded,
+    InferenceResult,
+    LoadSnapshot,
+    NotServing,
+    QueueFull,
+)
+from agent.batcher.work import Instance, Ran, Request, run_and_split, stage
 from agent.errors import AgentError, ConfigError, InputError
 from agent.observers import BatchDone, RequestDone, ServingObserver
-from agent.scattered import DeferredArray, copy_rows
+from agent.scattered import DeferredArray
 
 log = logging.getLogger(__name__)
 
-
-class QueueFull(AgentError):
-    """The request queue is at its limit (HTTP 503)."""
-
-
-class DeadlineExceeded(AgentError):
-    """A request's timeout passed before it ran."""
-
-
-class NotServing(AgentError):
-    """The batcher is stopped or stopping (HTTP 503)."""
-
-
-# Triton's request timeout is an unsigned 64-bit count of microseconds.
-MAX_TIMEOUT_US = 2**64 - 1
 CANDIDATE_SCAN = 1024  # queued requests looked at to form the next batches
-
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    """Batching settings for one model (``[serving]`` in the configuration)."""
-
-    max_batch_size: int = 32
-    max_queue_delay_us: int = 5000
-    preferred_batch_sizes: tuple[int, ...] = ()
-    max_queue_size: int = 256  # 0 = unlimited
-    default_timeout_us: int = 0  # 0 = none
-    priority_levels: int = 2
-    default_priority_level: int = 2
-    # Triton waits out the delay whenever a batch is not full. With adaptive_delay an idle
-    # instance takes a partial batch at once when, at the recent arrival rate, fewer than one
-    # more request is expected before the delay ends, or when recent arrivals (nearly) all found
-    # nothing else queued or running (one client sending its next request after each answer):
-    # waiting would only add latency.
-    adaptive_delay: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ConfigError("must be >= 1", key="serving.max_batch_size", found=self.max_batch_size)
-        if self.max_queue_delay_us < 0:
-            raise ConfigError("must be >= 0", key="serving.max_queue_delay_us",
-                              found=self.max_queue_delay_us)
-        bad = [size for size in self.preferred_batch_sizes if not 1 <= size <= self.max_batch_size]
-        if bad:
-            raise ConfigError("preferred batch sizes must be within 1..max_batch_size",
-                              key="serving.preferred_batch_sizes", found=bad)
-        if not 1 <= self.default_priority_level <= self.priority_levels:
-            raise ConfigError("must be within 1..priority_levels",
-                              key="serving.default_priority_level",
-                              found=self.default_priority_level)
-
-
-@dataclass(frozen=True)
-class InferenceResult:
-    """One request's outputs (owned arrays) and where its time went."""
-
-    outputs: dict[str, np.ndarray]
-    queue_s: float
-    compute_s: float
-    batch_size: int
-    compute_input_s: float = 0.0  # its batch's staging copy
-    compute_output_s: float = 0.0  # cutting the batch's outputs into per-request arrays
-
-
-@dataclass(frozen=True)
-class LoadSnapshot:
-    """What the power governor watches."""
-
-    queue_depth: int
-    busy_instances: int  # instances running a batch (or with one staged next to run)
-    instances: int
-    arrivals_total: int
-    completed_total: int  # requests answered, whatever the outcome: arrivals minus this is load
-    batches_total: int
-    mean_batch_compute_s: float  # recent (exponentially weighted)
-
-
-@dataclass(eq=False)
-class _Request:
-    inputs: Mapping[str, np.ndarray | DeferredArray]
-    batch_size: int
-    shape_key: tuple[tuple[str, tuple[int, ...]], ...]
-    priority: int
-    arrival: float
-    deadline: float | None
-    future: asyncio.Future[InferenceResult]
-    sequence: int = 0
-    started: bool = False  # its batch began to run (set by the run thread)
-    timer: asyncio.TimerHandle | None = None  # answers a deadline passed while it is staged
-    version: int | None = None  # of the instance its batch went to
-
-
-@dataclass(eq=False)
-class _Instance:
-    backend: Backend
-    index: int
-    version: int  # the model version it serves
-    stage_pool: ThreadPoolExecutor
-    run_pool: ThreadPoolExecutor
-    outstanding: int = 0  # batches staged or running
-    running: int = 0  # batches past staging: running, or next to run
-    retired: bool = False
 
 
 @dataclass
@@ -170,7 +55,7 @@ class Batcher:
         self._observer = observer
         self._buffer_sets = buffer_sets
         self._instances = [self._wrap(backend) for backend in instances]
-        self._queues: list[collections.deque[_Request]] = [
+        self._queues: list[collections.deque[Request]] = [
             collections.deque() for _ in range(policy.priority_levels)
         ]
         self._queued = 0
@@ -187,9 +72,9 @@ class Batcher:
         self._max_batch_size = min(policy.max_batch_size,
                                    *(backend.max_batch_size for backend in instances))
 
-    def _wrap(self, backend: Backend) -> _Instance:
+    def _wrap(self, backend: Backend) -> Instance:
         index = next(_instance_numbers)
-        return _Instance(
+        return Instance(
             backend, index, backend.artifacts.version,
             ThreadPoolExecutor(1, thread_name_prefix=f"stage-{index}"),
             ThreadPoolExecutor(1, thread_name_prefix=f"run-{index}"),
@@ -294,7 +179,7 @@ class Batcher:
         if policy.default_timeout_us:  # as Triton's allow_timeout_override: only shorter
             timeout = min(timeout, policy.default_timeout_us)
         future: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
-        request = _Request(
+        request = Request(
             inputs=inputs, batch_size=batch_size,
             shape_key=tuple(sorted((name, tuple(array.shape[1:])) for name, array in inputs.items())),
             priority=level, arrival=now, deadline=now + timeout / 1e6 if timeout else None,
@@ -393,11 +278,11 @@ class Batcher:
                 continue
             return self._until_next_deadline(None, now)
 
-    def _due(self, batch: list[_Request]) -> float:
+    def _due(self, batch: list[Request]) -> float:
         """When ``batch``'s oldest request has waited ``max_queue_delay_us``."""
         return min(request.arrival for request in batch) + self.policy.max_queue_delay_us / 1e6
 
-    def _waiting_is_futile(self, batch: list[_Request], now: float, due: float) -> bool:
+    def _waiting_is_futile(self, batch: list[Request], now: float, due: float) -> bool:
         """Whether waiting until ``due`` for company would only add latency (adaptive_delay: no
         company expected, or a lone client) or time a request out on an idle instance."""
         if self.policy.adaptive_delay and (self._expected_arrivals(due - now) < 1.0
@@ -422,11 +307,11 @@ class Batcher:
             wait_s = until if wait_s is None else min(wait_s, until)
         return wait_s
 
-    def _candidates(self) -> list[tuple[list[_Request], int]]:
+    def _candidates(self) -> list[tuple[list[Request], int]]:
         """The next batch for each frame shape waiting, with its sample count, in the order of
         each shape's first request by priority and arrival: that request, then every request of
         its shape in the same order that still fits."""
-        groups: dict[Any, tuple[list[_Request], int]] = {}
+        groups: dict[Any, tuple[list[Request], int]] = {}
         requests = (request for queue in self._queues for request in queue)
         # Bounded: at a deep queue, shapes first seen further back wait for the ones ahead.
         for request in itertools.islice(requests, CANDIDATE_SCAN):
@@ -436,7 +321,7 @@ class Batcher:
                 groups[request.shape_key] = (batch, total + request.batch_size)
         return list(groups.values())
 
-    def _preferred_prefix(self, batch: list[_Request]) -> list[_Request] | None:
+    def _preferred_prefix(self, batch: list[Request]) -> list[Request] | None:
         """The longest leading run of ``batch`` (in priority and arrival order) whose samples
         add up to exactly a preferred size, or None: a batch goes early only at a preferred
         size, as in Triton; anything else waits for company or the delay."""
@@ -455,7 +340,7 @@ class Batcher:
             if not any(r.future.done() or (r.deadline is not None and r.deadline <= now)
                        for r in queue):
                 continue
-            kept: collections.deque[_Request] = collections.deque()
+            kept: collections.deque[Request] = collections.deque()
             for request in queue:
                 if request.future.done():  # cancelled: the HTTP client went away
                     self._queued -= 1
@@ -473,7 +358,7 @@ class Batcher:
             self._report_depth()
 
     @staticmethod
-    def _timed_out_while_staged(request: _Request) -> None:
+    def _timed_out_while_staged(request: Request) -> None:
         """Answer a request whose deadline passed before its batch began to run, at once (its
         rows still run with the batch; it is counted when the batch finishes)."""
         if request.started or request.future.done():
@@ -500,7 +385,7 @@ class Batcher:
                 self._finish(queue.popleft(), "rejected", error=error)
         self._report_depth()
 
-    def _launch(self, instance: _Instance, batch: list[_Request]) -> None:
+    def _launch(self, instance: Instance, batch: list[Request]) -> None:
         chosen = set(map(id, batch))
         for queue in self._queues:
             if any(id(request) in chosen for request in queue):
@@ -520,16 +405,16 @@ class Batcher:
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)
 
-    async def _execute(self, instance: _Instance, batch: list[_Request]) -> None:
+    async def _execute(self, instance: Instance, batch: list[Request]) -> None:
         loop = asyncio.get_running_loop()
         staged = None
         counted = False
         try:
-            staged, failed, stage_s = await loop.run_in_executor(instance.stage_pool, _stage,
+            staged, failed, stage_s = await loop.run_in_executor(instance.stage_pool, stage,
                                                                  instance.backend, batch)
             instance.running += 1
             counted = True
-            ran = await loop.run_in_executor(instance.run_pool, _run_and_split,
+            ran = await loop.run_in_executor(instance.run_pool, run_and_split,
                                              instance.backend, staged, batch)
         except Exception as exc:  # the batch's requests get the error, not the loop
             error = exc if isinstance(exc, AgentError) else AgentError(
@@ -549,8 +434,8 @@ class Batcher:
             self._poke()
         self._answer(instance, batch, failed, stage_s, ran)
 
-    def _answer(self, instance: _Instance, batch: list[_Request], failed: dict[int, InputError],
-                stage_s: float, ran: _Ran) -> None:
+    def _answer(self, instance: Instance, batch: list[Request], failed: dict[int, InputError],
+                stage_s: float, ran: Ran) -> None:
         """Count a batch that ran and answer each of its requests."""
         samples = sum(request.batch_size for request in batch)
         counters = self._counters
@@ -575,7 +460,7 @@ class Batcher:
             self._finish(request, "success", result=InferenceResult(
                 result, queue_s, ran.compute_s, samples, stage_s, ran.split_s))
 
-    def _finish(self, request: _Request, outcome: str, *, result: InferenceResult | None = None,
+    def _finish(self, request: Request, outcome: str, *, result: InferenceResult | None = None,
                 error: BaseException | None = None) -> None:
         if request.future.cancelled():  # its client went away while the batch ran
             outcome, result, error = "cancelled", None, None
@@ -605,62 +490,3 @@ class Batcher:
 
 
 _instance_numbers = itertools.count()
-
-
-def _stage(backend: Backend, batch: list[_Request]
-           ) -> tuple[Any, dict[int, InputError], float]:
-    """Copy a batch's requests into the instance's buffers (worker thread). A request whose
-    input cannot be read (a shared memory region its client shrank) gets zeros in its rows and
-    its error in the returned ``{position in batch: error}``; the others run. Also returns how
-    long the copy took."""
-    started = time.monotonic()
-    total = sum(request.batch_size for request in batch)
-    shapes = dict(batch[0].shape_key)
-    staged = backend.stage(total, shapes)
-    failed: dict[int, InputError] = {}
-    try:
-        for name, target in staged.inputs.items():
-            row = 0
-            for index, request in enumerate(batch):
-                rows = request.batch_size
-                if index not in failed:
-                    try:
-                        copy_rows(target[row:row + rows], request.inputs[name])
-                    except InputError as exc:
-                        failed[index] = exc
-                if index in failed:
-                    target[row:row + rows] = 0
-                row += rows
-    except BaseException:
-        staged.release()
-        raise
-    return staged, failed, time.monotonic() - started
-
-
-@dataclass(frozen=True)
-class _Ran:
-    """A batch's run, measured in its worker thread."""
-
-    outputs: list[dict[str, np.ndarray]]  # per request, owned arrays
-    started: float  # monotonic time the run began
-    compute_s: float  # the backend's run
-    split_s: float  # cutting the outputs into per-request arrays
-
-
-def _run_and_split(backend: Backend, staged: Any, batch: list[_Request]) -> _Ran:
-    """Run a staged batch and cut the outputs into owned per-request arrays (worker thread).
-    The times are measured here, so that a staged batch's wait for the running one counts as
-    queue time, not compute."""
-    for request in batch:
-        request.started = True  # from now on its deadline waits for the result
-    started = time.monotonic()
-    outputs = backend.run(staged)
-    ran = time.monotonic()
-    results: list[dict[str, np.ndarray]] = []
-    row = 0
-    for request in batch:
-        rows = request.batch_size
-        results.append({name: np.array(value[row:row + rows], copy=True)
-                        for name, value in outputs.items()})
-        row += rows
-    return _Ran(results, started, ran - started, time.monotonic() - ran)
