@@ -37,7 +37,7 @@ from agent.errors import (  # noqa: E402
     StopRequested,
 )
 from models.fingerprint import DeviceFingerprint, GpuModel, read_l4t_release  # noqa: E402
-from models.tensorrt_builder import build_engine  # noqa: E402
+from models.engine import build_engine  # noqa: E402
 from tests.fakes.fake_tensorrt import (  # noqa: E402
     FakeCudaDevice,
     decode_plan,

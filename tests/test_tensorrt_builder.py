@@ -25,7 +25,7 @@ from models.fingerprint import (  # noqa: E402
     cuda_gpu_model,
     read_l4t_release,
 )
-from models.tensorrt_builder import (  # noqa: E402
+from models.engine import (  # noqa: E402
     EngineBuildCancelled,
     EngineBuildConfig,
     EngineBuildResult,
@@ -552,7 +552,7 @@ def test_build_progress_is_logged_through_the_progress_monitor(
     caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = install_fake(version)
-    with caplog.at_level("INFO", logger="models.tensorrt_builder"):
+    with caplog.at_level("INFO", logger="models.engine"):
         result, _ = build(model, config(), tmp_path)
     assert result.plan
     calls = state_of(fake).progress_calls

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from models.tensorrt_builder import EngineBuildCancelled, EngineBuildConfig, build_engine
+from models.engine import EngineBuildCancelled, EngineBuildConfig, build_engine
 
 pytestmark = pytest.mark.tensorrt
 

@@ -2,7 +2,7 @@
 can run here).
 
 mypy runs with the repaired ``tensorrt-stubs`` (tools/trt_stubs.py) on its path, so every
-``trt.*`` call in models/tensorrt_builder.py and agent/backends/tensorrt.py (with its buffers,
+``trt.*`` call in models/engine/ and agent/backends/tensorrt.py (with its buffers,
 agent/backends/cuda_buffers.py) is checked for names, argument types and returns. A
 second run on a deliberately wrong call proves the stubs were really in use (an unresolved
 ``tensorrt`` would make everything ``Any`` and pass silently).
@@ -51,7 +51,7 @@ def mypy_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_builder_type_checks_against_the_stubs(mypy_config: Path) -> None:
-    result = _mypy(mypy_config, REPO / "models" / "tensorrt_builder.py")
+    result = _mypy(mypy_config, REPO / "models" / "engine")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

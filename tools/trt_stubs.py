@@ -25,7 +25,7 @@ files); errors in our code that calls them are still reported.
 Usage::
 
     python tools/trt_stubs.py DEST
-    python -m mypy --config-file DEST/mypy.ini models/tensorrt_builder.py
+    python -m mypy --config-file DEST/mypy.ini models/engine
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     config = write_mypy_config(out, project_root=args.project_root)
     print(f"repaired TensorRT stubs written to {out}")
-    print(f"type-check with: python -m mypy --config-file {config} models/tensorrt_builder.py")
+    print(f"type-check with: python -m mypy --config-file {config} models/engine")
     return 0
 
 

@@ -8,7 +8,7 @@ named by the device fingerprint (models/fingerprint.py) and the first that loads
 2. the plan built earlier on this device, ``<engine_cache_dir>/<fingerprint>.plan``, when its record
    (``<fingerprint>.plan.json``: sha256 of the model and of the plan, and the build settings) still
    matches;
-3. a build from ``model.onnx`` (models/tensorrt_builder.py: the profile from the manifest's
+3. a build from ``model.onnx`` (models/engine/: the profile from the manifest's
    ``engine_profile``, the FP16 fallback layers from its precision plan), cached atomically with
    its record and its timing cache. The bundle's ``timing.cache`` seeds the first build.
 
@@ -22,8 +22,8 @@ instance's stream.
 
 ``options.extra`` keys: ``host_memory`` (``auto``, ``mapped`` or ``pinned``; see
 cuda_buffers.choose_host_memory) and the engine build settings ``workspace_bytes``, ``dla_core``,
-``gpu_fallback``, ``optimization_level``, ``strict_precision`` (models.tensorrt_builder.
-EngineBuildConfig, which validates them). Other keys are ignored.
+``gpu_fallback``, ``optimization_level``, ``strict_precision`` (models.engine.EngineBuildConfig,
+which validates them). Other keys are ignored.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from agent import deps
 from agent.errors import EngineError, InputError, InternalError
 from agent.fsutil import atomic_write_bytes, atomic_write_text
 from models.fingerprint import DeviceFingerprint, GpuModel, read_l4t_release
-from models.tensorrt_builder import EngineBuildConfig, build_engine, forwarding_logger, init_plugins
+from models.engine import EngineBuildConfig, build_engine, forwarding_logger, init_plugins
 
 if TYPE_CHECKING:
     import tensorrt as trt
