@@ -358,7 +358,7 @@ def _check_before_work(options: BuildOptions) -> None:
         if bundle_path.exists():
             raise ConfigError("bundle already exists; pick another --version", path=bundle_path)
     if options.build_engine:
-        from models.tensorrt_builder import require_tensorrt
+        from models.engine import require_tensorrt
 
         require_tensorrt()
 
@@ -857,7 +857,7 @@ def _engine_profile(meta: dict[str, Any], options: BuildOptions) -> dict[str, li
 
 def _build_engine(files: dict[str, Path], work: Path, quantized: QuantizeResult,
                   profile: dict[str, list[int]], layout: str) -> dict[str, str]:
-    from models.tensorrt_builder import EngineBuildConfig, build_engine
+    from models.engine import EngineBuildConfig, build_engine
 
     unset: list[int | None] = [None, None, None]
     height: list[int | None] = list(profile.get("height") or unset)

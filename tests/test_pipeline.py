@@ -337,7 +337,7 @@ def test_engine_option_puts_a_plan_for_this_device_in_the_bundle(tmp_path, keys,
     """TensorRT is faked at its module seam and the GPU at the driver query; the rest is real."""
     import sys
 
-    import models.tensorrt_builder as builder
+    import models.engine.builder as builder
     from models.fingerprint import GpuModel
     from tests.fakes.fake_tensorrt import decode_plan, make_fake_tensorrt
 
@@ -646,7 +646,7 @@ def _build_onnx(model: Path, calib: Path, keys: Path, out: Path, *extra: str) ->
 def test_an_nhwc_model_is_described_as_nhwc_with_ranges_on_its_height_and_width(tmp_path, keys):
     from agent.backends.base import ModelArtifacts
     from agent.backends.tensorrt import engine_build_config
-    from models.tensorrt_builder import profile_shapes
+    from models.engine import profile_shapes
 
     torch.manual_seed(0)
     model = _export(_ChannelsLast(), {"image": (2, 32, 32, 3)},
@@ -821,7 +821,7 @@ def test_the_host_engine_build_puts_an_nhwc_models_ranges_on_its_height_and_widt
         tmp_path, keys, monkeypatch):
     import sys
 
-    import models.tensorrt_builder as builder
+    import models.engine.builder as builder
     from models.fingerprint import GpuModel
     from tests.fakes.fake_tensorrt import decode_plan, make_fake_tensorrt
 
