@@ -2,7 +2,7 @@
 can run here).
 
 mypy runs with the repaired ``tensorrt-stubs`` (tools/trt_stubs.py) on its path, so every
-``trt.*`` call in models/engine/ and agent/backends/tensorrt.py (with its buffers,
+``trt.*`` call in models/engine/ and agent/backends/tensorrt/ (with its buffers,
 agent/backends/cuda_buffers.py) is checked for names, argument types and returns. A
 second run on a deliberately wrong call proves the stubs were really in use (an unresolved
 ``tensorrt`` would make everything ``Any`` and pass silently).
@@ -57,7 +57,7 @@ def test_builder_type_checks_against_the_stubs(mypy_config: Path) -> None:
 
 def test_backend_type_checks_against_the_stubs(mypy_config: Path) -> None:
     backends = REPO / "agent" / "backends"
-    result = _mypy(mypy_config, backends / "tensorrt.py", backends / "cuda_buffers.py")
+    result = _mypy(mypy_config, backends / "tensorrt", backends / "cuda_buffers.py")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
