@@ -15,7 +15,7 @@ http = pytest.importorskip("tritonclient.http")
 
 from agent.batcher import BatchPolicy
 from tests.serving_fixtures import ServerThread
-from tests.test_backend_tensorrt import make_artifacts, make_board, reference
+from tests.fakes.trt_board import make_artifacts, make_board, reference
 
 
 @pytest.mark.parametrize("integrated", [True, False], ids=["jetson-mapped", "discrete-pinned"])

@@ -268,7 +268,7 @@ def test_tensorrt_backend_on_pycuda_mapped_buffers(gpu: PycudaDevice, tmp_path: 
     pytest.importorskip("onnx")
     from agent.backends.tensorrt import TensorRTBackend
     from tests.fakes.fake_tensorrt import make_fake_tensorrt, state_of
-    from tests.test_backend_tensorrt import make_artifacts, reference
+    from tests.fakes.trt_board import make_artifacts, reference
 
     trt = make_fake_tensorrt("10.3.0.30")
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
