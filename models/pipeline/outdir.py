@@ -93,8 +93,8 @@ def _check_before_work(options: BuildOptions) -> None:
 
 
 def _bundle_path(options: BuildOptions) -> tuple[str, int, Path]:
-    """The bundle's name, version and path, once the model is known; refuses a bundle that is
-    there already (a build into the same directory may have finished meanwhile)."""
+    """The bundle's name, version and path; refuses a bundle that is there already (another
+    build into the same directory may have made it since this one started)."""
     name = _planned_name(options)
     version = options.version or next_version(options.out_dir, name)
     bundle_path = options.out_dir / f"{name}-{version}.bundle"
