@@ -13,6 +13,7 @@ from models.export import compare_with_torch, export_onnx  # noqa: E402
 from models.ort import create_session  # noqa: E402
 from models.zoo.resnet import ResNet18  # noqa: E402
 from models.zoo.small_cnn import SmallCNN  # noqa: E402
+from tests.torch_nets import Branchy  # noqa: E402
 
 
 class FixedSizeNet(nn.Module):
@@ -258,23 +259,11 @@ def test_a_model_that_cannot_take_a_batch_is_named_in_one_line():
     assert "\n" not in message
 
 
-class _Branchy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-
-    def forward(self, x):
-        y = self.conv(x).mean(dim=(2, 3))
-        if x.mean() > 0:  # a branch on the data: tracing keeps the example's
-            return y
-        return -y
-
-
 def test_a_branch_on_the_data_is_caught_on_real_samples():
     rng = np.random.default_rng(0)
     samples = rng.standard_normal((4, 3, 8, 8)).astype(np.float32)
     samples[:2] += 2.0
     samples[2:] -= 2.0
     with pytest.raises(ModelError, match="a branch or loop on tensor values"):
-        export_onnx(_Branchy().eval(), torch.from_numpy(samples[:1]),
+        export_onnx(Branchy().eval(), torch.from_numpy(samples[:1]),
                     check_inputs=[samples[index:index + 1] for index in range(1, 4)])

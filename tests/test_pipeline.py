@@ -154,7 +154,7 @@ def test_build_without_a_key_generates_one_beside_the_bundle(tmp_path):
 def test_a_key_pair_made_meanwhile_by_another_build_is_used(tmp_path, monkeypatch):
     # Two builds into one fresh directory without --key: the later one signed with a pair it
     # could not write at the end ("key file already exists"), after all its work.
-    import models.pipeline as pipeline
+    import models.pipeline.orchestrate as pipeline
     from models.signing import write_keypair
 
     out = tmp_path / "out"
@@ -246,7 +246,7 @@ def test_an_existing_bundle_version_is_refused_before_any_work(tmp_path, capsys)
 def test_a_bundle_that_appears_during_the_build_is_not_replaced(tmp_path, capsys, monkeypatch):
     """Two builds into one --out pick the same next version; the one that finishes second must
     fail rather than replace the first one's bundle, and it takes its new key pair with it."""
-    from models import pipeline
+    from models.pipeline import orchestrate as pipeline
 
     out = tmp_path / "out"
     real_speed_report = pipeline._speed_report
@@ -548,7 +548,7 @@ def test_a_killed_builds_staging_directory_is_removed_by_the_next_build(tmp_path
     live = out / ".build-1-xyz"  # pid 1 is alive: another build's, left alone
     stale.mkdir(parents=True)
     live.mkdir()
-    from models.pipeline import _prepare_out_dir
+    from models.pipeline.outdir import _prepare_out_dir
 
     assert _prepare_out_dir(out) is False
     assert not stale.exists() and live.exists()
@@ -918,10 +918,10 @@ def test_calibration_images_follow_an_nhwc_models_layout(tmp_path, keys):
 
 
 def make_branchy():
-    from tests.test_export import _Branchy
+    from tests.torch_nets import Branchy
 
     torch.manual_seed(0)
-    return _Branchy()
+    return Branchy()
 
 
 def test_a_user_model_that_branches_on_its_input_is_refused_at_export(tmp_path, keys, capsys):
