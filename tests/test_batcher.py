@@ -2,6 +2,9 @@
 
 Where a test must hold a batch on an instance (deadlines, priorities, overlap), the backend is
 wrapped in a gate: the run waits until the test opens it. That is the only stand-in here.
+
+No test asserts how long something took (speed is for the benchmarks): whether a request waited
+for the queue delay is told by the order of events on the event loop, or by the batches formed.
 """
 
 from __future__ import annotations
@@ -77,6 +80,32 @@ async def occupy(batcher: Batcher, backend: GatedBackend, **submit: Any) -> Any:
     return future
 
 
+async def scheduler_turns() -> None:
+    """Let the batcher's scheduler take its turns. Whether it sends a batch now is decided on the
+    event loop within a few iterations of it, so these are counted, not timed: afterwards a
+    request it sent at once has left the queue, however loaded the machine."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+class Timeline:
+    """The order in which things happened on the event loop.
+
+    A request that must wait out the queue delay is answered after a mark set, right after its
+    submission, for half the delay: that timer is due before the batcher may send the request,
+    so the loop runs it first however slow the machine; a batcher that sent it at once answers
+    first."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def mark_after(self, seconds: float, name: str) -> None:
+        asyncio.get_running_loop().call_later(seconds, self.events.append, name)
+
+    def mark_when_done(self, future: asyncio.Future[Any], name: str) -> None:
+        future.add_done_callback(lambda _: self.events.append(name))
+
+
 def test_concurrent_requests_form_batches_with_correct_results(model_path: Path) -> None:
     recorder = Recorder()
     data = images(20)
@@ -102,16 +131,31 @@ def test_concurrent_requests_form_batches_with_correct_results(model_path: Path)
 
 
 def test_a_lone_request_waits_for_the_queue_delay(model_path: Path) -> None:
-    async def main() -> Any:
-        batcher = Batcher([make_backend(model_path)],
-                          BatchPolicy(max_batch_size=8, max_queue_delay_us=150_000))
-        batcher.start()
-        result = await batcher.submit({"input": images(1)})
-        await batcher.stop()
-        return result
+    timeline = Timeline()
 
-    result = asyncio.run(main())
-    assert result.queue_s >= 0.14
+    async def main() -> tuple[int, Any]:
+        backend = make_backend(model_path)
+        # Under a delay no test outlasts, the request stays queued whatever the scheduler does.
+        held = Batcher([backend], BatchPolicy(max_batch_size=8, max_queue_delay_us=60_000_000))
+        held.start()
+        waiting = held.submit({"input": images(1)})
+        await scheduler_turns()
+        depth = held.queue_depth
+        await held.stop()  # drains it
+        await waiting
+        # Under a delay that ends, it goes alone once it has.
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=8, max_queue_delay_us=150_000))
+        batcher.start()
+        request = batcher.submit({"input": images(1)})
+        timeline.mark_after(0.075, "half the delay")
+        timeline.mark_when_done(request, "answered")
+        result = await asyncio.wait_for(request, 30)  # a hang guard
+        await batcher.stop()
+        return depth, result
+
+    depth, result = asyncio.run(main())
+    assert depth == 1
+    assert timeline.events[0] == "half the delay"
     assert result.batch_size == 1
 
 
@@ -120,14 +164,21 @@ def test_adaptive_delay_skips_the_wait_only_for_sparse_arrivals(model_path: Path
                                                                 adaptive: bool) -> None:
     recorder = Recorder()
 
-    async def main() -> tuple[list[Any], list[int]]:
+    async def main() -> tuple[list[bool], list[list[str]], list[int]]:
         batcher = Batcher([make_backend(model_path)],
                           BatchPolicy(max_batch_size=8, max_queue_delay_us=100_000,
                                       adaptive_delay=adaptive), observer=recorder)
         batcher.start()
-        sparse = []
+        sent_at_once, timelines = [], []
         for index in range(3):  # one camera at about 3 frames/s
-            sparse.append(await batcher.submit({"input": images(1, seed=index)}))
+            timeline = Timeline()
+            request = batcher.submit({"input": images(1, seed=index)})
+            timeline.mark_after(0.05, "half the delay")
+            timeline.mark_when_done(request, "answered")
+            await scheduler_turns()
+            sent_at_once.append(batcher.queue_depth == 0)
+            await asyncio.wait_for(request, 30)  # a hang guard
+            timelines.append(timeline.events)
             await asyncio.sleep(0.3)
         # Then a stream at 200 requests/s: more are due within the delay, so batches form.
         stream = []
@@ -136,13 +187,13 @@ def test_adaptive_delay_skips_the_wait_only_for_sparse_arrivals(model_path: Path
             await asyncio.sleep(0.005)
         await asyncio.gather(*stream)
         await batcher.stop()
-        return sparse, recorder.batches[3:]
+        return sent_at_once, timelines, recorder.batches[3:]
 
-    sparse, stream_batches = asyncio.run(main())
-    if adaptive:
-        assert max(result.queue_s for result in sparse) < 0.05
-    else:
-        assert min(result.queue_s for result in sparse) >= 0.095
+    sent_at_once, timelines, stream_batches = asyncio.run(main())
+    if adaptive:  # each left the queue as soon as the scheduler looked at it
+        assert sent_at_once == [True] * 3
+    else:  # each waited for the delay
+        assert [events[0] for events in timelines] == ["half the delay"] * 3
     assert sum(stream_batches) == 12
     assert max(stream_batches) >= 4
 
@@ -150,19 +201,19 @@ def test_adaptive_delay_skips_the_wait_only_for_sparse_arrivals(model_path: Path
 def test_a_preferred_batch_size_goes_without_waiting(model_path: Path) -> None:
     recorder = Recorder()
 
-    async def main() -> list[Any]:
+    async def main() -> None:
         batcher = Batcher([make_backend(model_path)],
-                          BatchPolicy(max_batch_size=32, max_queue_delay_us=5_000_000,
+                          BatchPolicy(max_batch_size=32, max_queue_delay_us=60_000_000,
                                       preferred_batch_sizes=(4,)), observer=recorder)
         batcher.start()
-        results = await asyncio.wait_for(
-            asyncio.gather(*(batcher.submit({"input": images(1, seed=i)}) for i in range(4))), 3)
+        futures = [batcher.submit({"input": images(1, seed=i)}) for i in range(4)]
+        await scheduler_turns()
+        assert batcher.queue_depth == 0  # all four went at once, not after the minute's delay
+        await asyncio.wait_for(asyncio.gather(*futures), 30)  # a hang guard
         await batcher.stop()
-        return results
 
-    results = asyncio.run(main())
+    asyncio.run(main())
     assert recorder.batches == [4]
-    assert max(result.queue_s for result in results) < 1.0
 
 
 def test_requests_carrying_several_samples_share_a_batch(model_path: Path) -> None:
@@ -366,13 +417,16 @@ def test_two_instances_run_batches_at_the_same_time(model_path: Path) -> None:
 def test_stop_drains_queued_requests_then_refuses_new_ones(model_path: Path) -> None:
     async def main() -> None:
         batcher = Batcher([make_backend(model_path)],
-                          BatchPolicy(max_batch_size=4, max_queue_delay_us=1_000_000))
+                          BatchPolicy(max_batch_size=8, max_queue_delay_us=60_000_000))
         batcher.start()
         futures = [batcher.submit({"input": images(1, seed=i)}) for i in range(6)]
-        started = time.monotonic()
-        await batcher.stop(drain=True)
+        await scheduler_turns()
+        assert batcher.queue_depth == 6  # a partial batch, waiting for the delay
+        stopping = asyncio.ensure_future(batcher.stop(drain=True))
+        await scheduler_turns()
         # Draining does not sit out the queue delay.
-        assert time.monotonic() - started < 0.9
+        assert batcher.queue_depth == 0
+        await stopping
         assert all(future.done() and future.exception() is None for future in futures)
         with pytest.raises(NotServing):
             batcher.submit({"input": images(1)})
@@ -448,7 +502,9 @@ def test_a_staged_request_past_its_deadline_is_not_a_late_success(model_path: Pa
         batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0),
                           observer=recorder)  # two buffer sets: the second request is staged
         batcher.start()
+        submitting = time.monotonic()
         first = await occupy(batcher, backend)
+        seen_running = time.monotonic()
         staged_late = batcher.submit({"input": images(1)}, timeout_us=50_000)
         for _ in range(200):
             if backend.events.count("stage1") == 2:
@@ -459,51 +515,59 @@ def test_a_staged_request_past_its_deadline_is_not_a_late_success(model_path: Pa
         backend.gate.set()
         results = await asyncio.gather(first, staged_late, return_exceptions=True)
         await batcher.stop()
-        return results[0], results[1]
+        return results[0], results[1], seen_running - submitting
 
-    first, staged_late = asyncio.run(main())
+    first, staged_late, until_seen_running_s = asyncio.run(main())
     assert isinstance(staged_late, DeadlineExceeded) and "before its batch ran" in str(staged_late)
-    assert first.queue_s < 0.1
+    # Its queue time ended when its run began, before the test saw it running: the gate's hold
+    # after that is compute.
+    assert first.queue_s <= until_seen_running_s
     assert sorted(recorder.outcomes) == ["success", "timeout"]
 
 
 def test_queue_time_runs_until_the_batch_starts(model_path: Path) -> None:
     backend = make_backend(model_path, GatedBackend, max_batch=1)
 
-    async def main() -> Any:
+    async def main() -> tuple[Any, Any]:
         batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0))
         batcher.start()
-        first = await occupy(batcher, backend)
-        second = batcher.submit({"input": images(1)})
+        backend.gate.clear()
+        first = batcher.submit({"input": images(1)})
+        second = batcher.submit({"input": images(1)})  # here before the first batch runs
+        await asyncio.get_running_loop().run_in_executor(None, backend.running.wait, 5)
         await asyncio.sleep(0.2)
         backend.gate.set()
-        await first
+        ahead = await first
         result = await second
         await batcher.stop()
-        return result
+        return ahead, result
 
-    assert asyncio.run(main()).queue_s >= 0.19
+    ahead, result = asyncio.run(main())
+    # It waited, staged, through the whole run of the batch ahead: all of that is queue time.
+    assert result.queue_s >= ahead.compute_s
 
 
 def test_a_request_timeout_may_only_shorten_the_default(model_path: Path) -> None:
     backend = make_backend(model_path, GatedBackend, max_batch=1)
 
-    async def main() -> float:
+    async def main() -> None:
+        # A second's default: room for the request holding the instance to start running.
         batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0,
-                                                 default_timeout_us=50_000), buffer_sets=1)
+                                                 default_timeout_us=1_000_000), buffer_sets=1)
         batcher.start()
-        first = await occupy(batcher, backend, timeout_us=10_000_000)
-        started = time.monotonic()
-        longer = batcher.submit({"input": images(1)}, timeout_us=10_000_000)
+        first = await occupy(batcher, backend, timeout_us=600_000_000)
+        longer = batcher.submit({"input": images(1)}, timeout_us=600_000_000)  # ten minutes
+        plain = batcher.submit({"input": images(1)})  # the default, from a moment later
         with pytest.raises(DeadlineExceeded):
-            await asyncio.wait_for(longer, 2)
-        waited = time.monotonic() - started
+            await asyncio.wait_for(plain, 30)  # a hang guard
+        assert longer.done()  # cut to the default, its deadline came first
+        with pytest.raises(DeadlineExceeded):
+            await longer
         backend.gate.set()
         await first
         await batcher.stop()
-        return waited
 
-    assert asyncio.run(main()) < 0.5
+    asyncio.run(main())
 
 
 def test_a_cancelled_request_leaves_the_queue_at_once(model_path: Path) -> None:
@@ -537,50 +601,64 @@ def test_a_cancelled_request_leaves_the_queue_at_once(model_path: Path) -> None:
 def test_preferred_sizes_with_multi_sample_requests(model_path: Path, sizes: tuple[int, ...],
                                                     batches: list[int], early: bool) -> None:
     recorder = Recorder()
+    timeline = Timeline()
 
-    async def main() -> list[Any]:
+    async def main() -> int:
         batcher = Batcher([make_backend(model_path)],
                           BatchPolicy(max_batch_size=32, max_queue_delay_us=200_000,
                                       preferred_batch_sizes=(8,)), observer=recorder)
         batcher.start()
         futures = [batcher.submit({"input": images(size, seed=i)}) for i, size in enumerate(sizes)]
-        results = await asyncio.gather(*futures)
+        timeline.mark_after(0.1, "half the delay")
+        for future in futures:
+            timeline.mark_when_done(future, "answered")
+        await scheduler_turns()
+        depth = batcher.queue_depth
+        await asyncio.wait_for(asyncio.gather(*futures), 30)  # a hang guard
         await batcher.stop()
-        return results
+        return depth
 
-    results = asyncio.run(main())
+    depth = asyncio.run(main())
     assert recorder.batches == batches
-    waited = max(result.queue_s for result in results)
-    assert (waited < 0.1) if early else (waited >= 0.19)
+    if early:  # left the queue as soon as the scheduler looked at it
+        assert depth == 0
+    else:  # waited for the delay: none was answered before half of it had passed
+        assert timeline.events[0] == "half the delay"
 
 
 def test_adaptive_delay_does_not_hold_a_lone_client_that_sends_back_to_back(
         model_path: Path) -> None:
-    async def main() -> list[float]:
+    async def main() -> list[bool]:
         batcher = Batcher([make_backend(model_path)],
                           BatchPolicy(max_batch_size=8, max_queue_delay_us=100_000,
                                       adaptive_delay=True))
         batcher.start()
-        waits = []
+        sent_at_once = []
         for index in range(20):  # the next request only once the last is answered
-            waits.append((await batcher.submit({"input": images(1, seed=index)})).queue_s)
+            request = batcher.submit({"input": images(1, seed=index)})
+            await scheduler_turns()
+            sent_at_once.append(batcher.queue_depth == 0)
+            await asyncio.wait_for(request, 30)  # a hang guard
         await batcher.stop()
-        return waits
+        return sent_at_once
 
-    waits = asyncio.run(main())
-    assert sorted(waits)[len(waits) // 2] < 0.02  # the median request did not wait the delay
+    sent_at_once = asyncio.run(main())
+    # The median request did not wait the delay: more than half left the queue at once.
+    assert sum(sent_at_once) > len(sent_at_once) // 2
 
 
 def test_a_deadline_inside_the_delay_runs_on_an_idle_instance(model_path: Path) -> None:
-    async def main() -> Any:
+    async def main() -> None:
         batcher = Batcher([make_backend(model_path)],
-                          BatchPolicy(max_batch_size=8, max_queue_delay_us=300_000))
+                          BatchPolicy(max_batch_size=8, max_queue_delay_us=60_000_000))
         batcher.start()
-        result = await batcher.submit({"input": images(1)}, timeout_us=100_000)
+        request = batcher.submit({"input": images(1)}, timeout_us=20_000_000)
+        await scheduler_turns()
+        assert batcher.queue_depth == 0  # sent at once, not held until its deadline
+        await asyncio.wait_for(request, 30)  # a hang guard; answered, not timed out
         await batcher.stop()
-        return result
 
-    assert asyncio.run(main()).queue_s < 0.1
+    asyncio.run(main())
 
 
 # -- found by probing the batcher ----------------------------------------------------------------
@@ -591,23 +669,25 @@ def test_a_staged_request_is_answered_at_its_deadline_not_after_the_running_batc
     backend = make_backend(model_path, GatedBackend, max_batch=1)
     recorder = Recorder()
 
-    async def main() -> tuple[float, Any]:
+    async def main() -> Any:
         batcher = Batcher([backend], BatchPolicy(max_batch_size=1, max_queue_delay_us=0),
                           observer=recorder)
         batcher.start()
         first = await occupy(batcher, backend)
-        started = time.monotonic()
         staged = batcher.submit({"input": images(1)}, timeout_us=50_000)
+        # The gate stays shut: the running batch ends only when the test opens it (or the gate
+        # gives up); the timeout is a hang guard.
+        done, _ = await asyncio.wait({first, staged}, timeout=30,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        assert done == {staged}  # at its deadline, not after the running batch
         with pytest.raises(DeadlineExceeded, match="before its batch ran"):
-            await asyncio.wait_for(staged, 2.0)  # the gate stays shut: the running batch waits
-        answered_s = time.monotonic() - started
+            await staged
         backend.gate.set()
         await first
         await batcher.stop()
-        return answered_s, batcher.load()
+        return batcher.load()
 
-    answered_s, load = asyncio.run(main())
-    assert answered_s < 0.5
+    load = asyncio.run(main())
     assert sorted(recorder.outcomes) == ["success", "timeout"]  # counted once, as the client saw
     assert load.completed_total == load.arrivals_total == 2
 
@@ -662,22 +742,24 @@ def test_an_instance_running_its_staged_batch_counts_as_busy(model_path: Path) -
 def test_a_full_batch_of_another_frame_size_does_not_wait_behind_a_lone_request(
         model_path: Path) -> None:
     # Triton sends the pending batch when a request of another shape arrives; here the lone
-    # 16x16 request waits out its delay, but a full 32x32 batch goes at once.
+    # 16x16 request waits for its delay, but a full 32x32 batch goes at once.
     first, second = make_backend(model_path, max_batch=4), make_backend(model_path, max_batch=4)
 
-    async def main() -> float:
+    async def main() -> None:
         batcher = Batcher([first, second], BatchPolicy(max_batch_size=4,
-                                                       max_queue_delay_us=500_000))
+                                                       max_queue_delay_us=60_000_000))
         batcher.start()
         lone = batcher.submit({"input": images(1, size=16)})
-        started = time.monotonic()
-        await batcher.submit({"input": images(4, size=32)})
-        full_s = time.monotonic() - started
+        await scheduler_turns()
+        full = batcher.submit({"input": images(4, size=32)})
+        await scheduler_turns()
+        assert batcher.queue_depth == 1  # the full batch left the queue, the lone one waits
+        await asyncio.wait_for(full, 30)  # a hang guard
+        assert not lone.done()  # the full batch was answered while the lone one still waited
+        await batcher.stop()  # drains the lone request
         await lone
-        await batcher.stop()
-        return full_s
 
-    assert asyncio.run(main()) < 0.25
+    asyncio.run(main())
 
 
 def test_a_swap_to_a_smaller_maximum_answers_queued_requests_it_cannot_take(
