@@ -64,6 +64,7 @@ class Batcher:
         self._task: asyncio.Task[None] | None = None
         self._batches: set[asyncio.Task[None]] = set()
         self._accepting = False
+        self._closed = False  # stop() ends the scheduler
         self._counters = _Counters()
         self._last_arrival: float | None = None
         self._arrival_interval_s: float | None = None  # exponentially weighted mean
@@ -115,6 +116,12 @@ class Batcher:
             self._poke()
         self._fail_queued(NotServing("server shut down before the request ran"))
         if self._task is not None:
+            # The scheduler ends at its next turn by itself: a cancellation alone can be lost
+            # before Python 3.12, whose wait_for may return the result of a wait that completed
+            # in the same turn instead of raising, and the scheduler would then run on forever.
+            self._closed = True
+            self._poke()
+            await asyncio.wait({self._task}, timeout=1.0)
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -230,7 +237,7 @@ class Batcher:
 
     async def _schedule(self) -> None:
         assert self._wakeup is not None  # start() sets it; not input validation
-        while True:
+        while not self._closed:
             self._wakeup.clear()
             wait_s = self._dispatch_ready()
             if wait_s is None:
