@@ -382,14 +382,12 @@ def test_bench_serve_stops_when_every_request_fails(tmp_path: Path,
     bundle, public_key, _ = signed
     config = tmp_path / "agent.toml"
     config.write_text('[serving]\nbackend = "onnxruntime"\ndefault_timeout_us = 1\n')
-    started = time.monotonic()
     with pytest.raises(AgentError, match="every request failed") as caught:
         run_bench(ServeBenchOptions(
             bundle=bundle, public_keys=(public_key,), config=config, concurrency=(1, 4),
             duration_s=0.5, warmup_s=0.2, raw_min_time_s=0.1, rounds=1))
-    assert caught.value.fields["concurrency"] == 1
+    assert caught.value.fields["concurrency"] == 1  # the first level: the second never ran
     assert caught.value.fields["errors"] and "http_200" not in caught.value.fields["errors"]
-    assert time.monotonic() - started < 60
 
 
 def test_bench_serve_sends_the_configured_token(tmp_path: Path,
@@ -533,10 +531,10 @@ def test_a_stop_during_warm_up_ends_it_between_batches(tmp_path: Path,
             calls.append(1)
             return len(calls) > 5
 
-        started = time.monotonic()
-        with pytest.raises(StopRequested, match="stopped while warming up"):
+        with pytest.raises(StopRequested, match="stopped while warming up") as caught:
             start_backends(config, artifacts, batch_policy(config, artifacts), stop_after_a_few)
-        assert time.monotonic() - started < 10
+        # Asked once before the instance, then before each batch: it ended at the first "yes".
+        assert len(calls) == 6 and caught.value.fields["batches_done"] == 4
     finally:
         daemon.close()
 
