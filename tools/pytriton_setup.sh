@@ -18,7 +18,7 @@ venv=${PYTRITON_VENV:-.venv-pytriton}
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-# numpy and httptools are all agent/tooling/loadgen.py needs, so the load generator runs in this venv too.
+# numpy and httptools are all agent/tooling/loadgen/ needs, so the load generator runs in this venv too.
 "$venv/bin/python" -m pip install -q nvidia-pytriton onnxruntime numpy httptools
 
 libdir=$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')

@@ -1,68 +1,42 @@
-"""A KServe v2 HTTP load generator: closed loop (N workers) and open loop (Poisson arrivals).
-
-``edge-agent bench serve`` uses it to measure our daemon and, with the same client code, Triton
-(PyTriton) serving the same model, so the two numbers differ only by the server.
-
-On a Jetson the generator shares the CPU with the server it measures, so it keeps its own work per
-request small: each sample's whole HTTP request is built once, requests go over keep-alive
-connections of :mod:`agent.tooling.httpconn` (an asyncio protocol with the ``httptools``
-parser) on one event loop, and the bookkeeping is two ``perf_counter`` readings and an append. Responses are
-still checked (status, then the output tensors decoded) so that a failing server shows up as
-counted errors, never as fast answers.
-
-Needs only numpy and httptools (no torch, no ONNX Runtime) and runs on Python 3.10+.
-"""
+"""The load itself: the request target, closed loop (N workers, each sending its next request
+when the last is answered), open loop (Poisson arrivals at a fixed rate), and a sweep over
+concurrencies."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import math
-import os
 import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from agent.errors import ConfigError
 from agent.tooling.httpconn import ConnectionPool, Endpoint, ResponseError, prepare
-
-HEADER_LENGTH = "Inference-Header-Content-Length"
-
-# KServe v2 datatypes with a fixed element size, as little-endian numpy types. BYTES (length-
-# prefixed strings) and BF16 (no numpy type) are not needed for vision models and are refused.
-DATATYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype("?"),
-    "UINT8": np.dtype("u1"),
-    "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"),
-    "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("i1"),
-    "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"),
-    "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"),
-    "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-}
-
-# Error kinds, the keys of ``LoadResult.errors``; an HTTP error is "http_<status>".
-ERROR_TIMEOUT = "timeout"
-ERROR_CONNECTION = "connection"
-ERROR_DECODE = "decode"
-ERROR_MISMATCH = "mismatch"
-ERROR_DROPPED = "dropped"
-
-STATS_TIMEOUT_S = 2.0
-
-Verifier = Callable[[int, Mapping[str, np.ndarray]], bool]
-"""``verify(sample_index, outputs) -> bool``; False counts the request as a "mismatch" error."""
-
+from agent.tooling.loadgen.measures import (
+    ERROR_CONNECTION,
+    ERROR_DECODE,
+    ERROR_DROPPED,
+    ERROR_MISMATCH,
+    ERROR_TIMEOUT,
+    STATS_TIMEOUT_S,
+    LoadResult,
+    ServerBreakdown,
+    percentiles,
+    server_breakdown,
+    stats_totals,
+)
+from agent.tooling.loadgen.messages import (
+    DATATYPES,
+    HEADER_LENGTH,
+    Verifier,
+    decode_response,
+    encode_request,
+)
 
 @dataclass(frozen=True, kw_only=True, eq=False)  # samples are arrays: no element-wise ==
 class Target:
@@ -97,238 +71,6 @@ class Target:
             raise ConfigError(
                 "unsupported input datatype", found=self.datatype, expected=", ".join(DATATYPES)
             )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerBreakdown:
-    """Where the server says the time went, per request, over the measured window.
-
-    From the difference of two ``/v2/models/{m}/stats`` readings (Triton's statistics extension).
-    Triton charges a whole batch's compute time to every request in it, so ``compute_*`` is close to
-    the time of one batch, not a share of it.
-    """
-
-    requests: int
-    executions: int
-    mean_batch_size: float | None
-    queue_ms: float
-    compute_input_ms: float
-    compute_infer_ms: float
-    compute_output_ms: float
-
-    @property
-    def compute_ms(self) -> float:
-        return self.compute_input_ms + self.compute_infer_ms + self.compute_output_ms
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoadResult:
-    """One measured window.
-
-    ``sent`` counts requests started in the window. In closed loop, ``completed`` and ``errors``
-    count requests that started and finished inside it; in open loop, every arrival scheduled in
-    the window is accounted for (completed, an error, or "dropped" at the in-flight cap), including
-    requests that finish while the generator drains.
-    """
-
-    mode: str
-    concurrency: int | None
-    rate_per_s: float | None
-    duration_s: float
-    sent: int
-    completed: int
-    errors: dict[str, int]
-    qps: float
-    p50_ms: float | None
-    p90_ms: float | None
-    p99_ms: float | None
-    mean_ms: float | None
-    max_ms: float | None
-    server: ServerBreakdown | None = None
-
-    @property
-    def error_count(self) -> int:
-        return sum(self.errors.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; ``server`` is null when the server has no statistics endpoint."""
-        document = asdict(self)
-        if self.server is not None:
-            document["server"]["compute_ms"] = self.server.compute_ms
-        return document
-
-
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU time so far of the given processes (all their threads), from /proc; a
-    process that has gone counts nothing. Both serve benchmarks read a server's CPU with it."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def percentiles(values: Sequence[float], percents: Sequence[float]) -> list[float]:
-    """The given percentiles of ``values``, interpolating linearly between the closest ranks.
-
-    This is numpy's default (``method="linear"``): percentile ``p`` of ``n`` sorted values sits at
-    position ``(n - 1) * p / 100``.
-
-    Raises:
-        ValueError: ``values`` is empty or a percent is outside 0..100.
-    """
-    if not values:
-        raise ValueError("percentiles of an empty sequence")
-    ordered = sorted(values)
-    last = len(ordered) - 1
-    result = []
-    for percent in percents:
-        if not 0.0 <= percent <= 100.0:
-            raise ValueError(f"percent must be within 0..100, got {percent}")
-        position = last * percent / 100.0
-        lower = math.floor(position)
-        upper = min(lower + 1, last)
-        weight = position - lower
-        result.append(ordered[lower] + (ordered[upper] - ordered[lower]) * weight)
-    return result
-
-
-def encode_request(
-    input_name: str, array: np.ndarray, *, datatype: str, outputs: Sequence[str] = ()
-) -> tuple[bytes, int]:
-    """An infer request body in the binary tensor extension and the length of its JSON header."""
-    raw = np.ascontiguousarray(array, dtype=DATATYPES[datatype]).tobytes()
-    header: dict[str, Any] = {
-        "inputs": [
-            {
-                "name": input_name,
-                "shape": list(array.shape),
-                "datatype": datatype,
-                "parameters": {"binary_data_size": len(raw)},
-            }
-        ]
-    }
-    if outputs:
-        header["outputs"] = [
-            {"name": name, "parameters": {"binary_data": True}} for name in outputs
-        ]
-    else:
-        header["parameters"] = {"binary_data_output": True}
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    return encoded + raw, len(encoded)
-
-
-def decode_response(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
-    """The output tensors of an infer response, binary or JSON.
-
-    Args:
-        body: The whole response body.
-        header_length: The ``Inference-Header-Content-Length`` value, or None when the response
-            is plain JSON.
-
-    Raises:
-        ValueError: The body is not a well-formed response (bad JSON, unknown datatype, a binary
-            tensor that does not fit the body or its shape).
-    """
-    if header_length is None:
-        header = json.loads(body)
-        offset = len(body)
-    else:
-        if not 0 < header_length <= len(body):
-            raise ValueError(f"header length {header_length} outside a body of {len(body)} bytes")
-        header = json.loads(body[:header_length])
-        offset = header_length
-    outputs: dict[str, np.ndarray] = {}
-    try:
-        for output in header["outputs"]:
-            dtype = DATATYPES.get(output["datatype"])
-            if dtype is None:
-                raise ValueError(f"unsupported output datatype {output['datatype']!r}")
-            shape = [int(dim) for dim in output["shape"]]
-            size = (output.get("parameters") or {}).get("binary_data_size")
-            if size is None:
-                array = np.asarray(output["data"], dtype=dtype).reshape(shape)
-            else:
-                if offset + size > len(body) or size % dtype.itemsize:
-                    raise ValueError(f"binary output {output['name']!r} does not fit the body")
-                count = size // dtype.itemsize
-                array = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
-                offset += size
-            outputs[output["name"]] = array
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"malformed infer response: {exc!r}") from exc
-    return outputs
-
-
-def expect_argmax(labels: Sequence[int | Sequence[int]], *, output: str | None = None) -> Verifier:
-    """A verifier that the argmax over the last axis matches ``labels[sample_index]``.
-
-    Args:
-        labels: Per sample, the expected class (or one class per row of a batched sample).
-        output: The output to check; the first one in the response when None.
-    """
-    expected = [np.atleast_1d(np.asarray(label)).ravel() for label in labels]
-
-    def verify(index: int, outputs: Mapping[str, np.ndarray]) -> bool:
-        scores = outputs[output] if output is not None else next(iter(outputs.values()), None)
-        if scores is None:
-            return False
-        return np.array_equal(np.argmax(scores, axis=-1).ravel(), expected[index])
-
-    return verify
-
-
-def server_breakdown(
-    before: Mapping[str, int] | None, after: Mapping[str, int] | None
-) -> ServerBreakdown | None:
-    """Per-request averages between two readings of :func:`stats_totals`; None without both."""
-    if before is None or after is None:
-        return None
-
-    def delta(key: str) -> int:
-        return after.get(key, 0) - before.get(key, 0)
-
-    def mean_ms(stat: str) -> float:
-        count = delta(f"{stat}_count")
-        return delta(f"{stat}_ns") / count / 1e6 if count > 0 else 0.0
-
-    requests = delta("success_count")
-    if requests <= 0:
-        return None
-    executions = delta("execution_count")
-    inferences = delta("inference_count")
-    return ServerBreakdown(
-        requests=requests,
-        executions=executions,
-        mean_batch_size=inferences / executions if executions > 0 else None,
-        queue_ms=mean_ms("queue"),
-        compute_input_ms=mean_ms("compute_input"),
-        compute_infer_ms=mean_ms("compute_infer"),
-        compute_output_ms=mean_ms("compute_output"),
-    )
-
-
-def stats_totals(document: Mapping[str, Any], model: str) -> dict[str, int] | None:
-    """Counters of ``model`` summed over its versions in a ``/stats`` response; None if absent."""
-    entries = [entry for entry in document.get("model_stats", []) if entry.get("name") == model]
-    if not entries:
-        return None
-    totals: Counter[str] = Counter()
-    for entry in entries:
-        # Triton's HTTP endpoint writes counters as numbers; protobuf-to-JSON writes uint64 as
-        # strings. int() reads both.
-        totals["inference_count"] += int(entry.get("inference_count", 0))
-        totals["execution_count"] += int(entry.get("execution_count", 0))
-        stats = entry.get("inference_stats") or {}
-        for name in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
-            stat = stats.get(name) or {}
-            totals[f"{name}_count"] += int(stat.get("count", 0))
-            totals[f"{name}_ns"] += int(stat.get("ns", 0))
-    return dict(totals)
 
 
 class _Client:
