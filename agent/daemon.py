@@ -65,9 +65,11 @@ class Daemon:
     Args:
         config: The validated configuration.
         shm_root: Where clients' POSIX shared memory regions live.
+        task_stop_timeout_s: How long each background task may take to end once cancelled.
     """
 
-    def __init__(self, config: AgentConfig, *, shm_root: Path = Path("/dev/shm")) -> None:
+    def __init__(self, config: AgentConfig, *, shm_root: Path = Path("/dev/shm"),
+                 task_stop_timeout_s: float = 10.0) -> None:
         self.config = config
         self.shm_root = shm_root
         self.state = DaemonState.CREATED
@@ -76,11 +78,14 @@ class Daemon:
         self.services: dict[str, ModelService] = {}
         self.server: InferenceServer | None = None
         self.task_metrics = TaskMetrics()
-        self.supervisor = Supervisor(on_change=self._task_changed)
+        self.supervisor = Supervisor(on_change=self._task_changed,
+                                     stop_timeout_s=task_stop_timeout_s)
         self.failure: AgentError | None = None  # why the daemon stopped itself
         self._listeners: list[StateListener] = []
         self._stop_requested = threading.Event()  # read by the start's worker thread
         self._stop_wanted: asyncio.Event | None = None
+        self._start_done: asyncio.Event | None = None
+        self._stop_task: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- parts attached before the start --------------------------------------------------------
@@ -130,25 +135,35 @@ class Daemon:
         lacks) leaves current as it was.
 
         Raises:
-            StopRequested: :meth:`request_stop` was called before the model served.
+            StopRequested: a stop was requested before the model served (the daemon is then
+                STOPPED).
             AgentError: the model could not be loaded or served (the daemon is then FAILED).
+            In both cases everything is freed and the state directory let go.
         """
         self._loop = asyncio.get_running_loop()
         self._stop_wanted = asyncio.Event()
+        self._start_done = asyncio.Event()
         if self._stop_requested.is_set():
             self._stop_wanted.set()
         self._set_state(DaemonState.STARTING)
         try:
-            port = await self._start(candidate)
-        except StopRequested:
-            self._set_state(DaemonState.STOPPING)
-            self._set_state(DaemonState.STOPPED)
-            raise
-        except BaseException:
-            self._set_state(DaemonState.FAILED)
-            raise
-        self._set_state(DaemonState.SERVING)
-        self.supervisor.start()
+            try:
+                port = await self._start(candidate)
+            except StopRequested:
+                self.close()
+                self._set_state(DaemonState.STOPPING)
+                self._set_state(DaemonState.STOPPED)
+                raise
+            except BaseException as exc:
+                if isinstance(exc, AgentError):
+                    self._name_unused_candidate(candidate)
+                self.close()
+                self._set_state(DaemonState.FAILED)
+                raise
+            self._set_state(DaemonState.SERVING)
+            self.supervisor.start()
+        finally:
+            self._start_done.set()
         return port
 
     async def _start(self, candidate: ModelArtifacts | None) -> int:
@@ -180,6 +195,24 @@ class Daemon:
             await service.stop(drain=False)
             self._free()
             raise
+
+    def _name_unused_candidate(self, candidate: ModelArtifacts | None) -> None:
+        """Say that a bundle installed for this start is not the current version: its start
+        failed (an error reading the pointer must not hide the start's own error)."""
+        if candidate is None:
+            return
+        try:
+            current = self.store.current()
+        except StoreError as exc:
+            log.error("%s v%d is installed but was not made current, since its start failed; "
+                      "the current version cannot be read: %s", candidate.name,
+                      candidate.version, exc)
+            return
+        if current is None or (current.name, current.version) != (candidate.name,
+                                                                   candidate.version):
+            log.error("%s v%d is installed but was not made current, since its start failed; "
+                      "current is still %s", candidate.name, candidate.version,
+                      f"{current.name} v{current.version}" if current else "none")
 
     def _verified(self, candidate: ModelArtifacts | None) -> ModelArtifacts:
         """The version to serve, verified again: the disk may have changed since install (a
@@ -222,15 +255,25 @@ class Daemon:
         await self._stop_wanted.wait()
 
     async def stop(self, *, timeout_s: float = 30.0) -> None:
-        """Stop the background tasks, drain in-flight requests (at most ``timeout_s``), free the
-        model's instances and let go of the state directory. Stopping a stopped daemon does
-        nothing."""
+        """Stop the background tasks, drain in-flight requests (queued ones for at most
+        ``timeout_s``; a running batch always finishes), free the model's instances and let go
+        of the state directory. Safe from anywhere on the loop, a background task included:
+        every caller waits for the one stop, and a caller that is cancelled meanwhile does not
+        cut it short. A start in progress is asked to end first."""
+        self.request_stop()
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop(timeout_s))
+        await asyncio.shield(self._stop_task)
+
+    async def _stop(self, timeout_s: float) -> None:
+        if self.state is DaemonState.STARTING and self._start_done is not None:
+            await self._start_done.wait()  # it ends at its next check, or serves first
         if self.state in (DaemonState.STOPPED, DaemonState.FAILED):
             self.close()
             return
         if self.state is DaemonState.CREATED:
-            self._set_state(DaemonState.STOPPED)
             self.close()
+            self._set_state(DaemonState.STOPPED)
             return
         self._set_state(DaemonState.STOPPING)
         try:
@@ -274,7 +317,10 @@ class Daemon:
         failed = status.state is TaskState.FAILED
         self.task_metrics.task_changed(status.name, running=status.state is TaskState.RUNNING,
                                        failed=failed)
-        if failed and status.critical and self.failure is None:
+        # A failure while the daemon stops (a task that raises as it is cancelled) is logged
+        # and counted, but the stop was asked for: it does not turn into the daemon's failure.
+        if (failed and status.critical and self.failure is None
+                and self.state is DaemonState.SERVING):
             self.failure = AgentError("a critical background task failed", task=status.name,
                                       reason=status.error)
             self.request_stop()

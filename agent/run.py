@@ -14,7 +14,7 @@ import asyncio
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -94,11 +94,19 @@ def run_foreground(daemon: Daemon, *, candidate: ModelArtifacts | None = None,
     Raises:
         AgentError: the start failed (a candidate that did not start is named in the log), or a
             critical background task failed (after the daemon stopped).
+        StopRequested: with a session, something other than a signal asked the daemon to stop
+            before the session finished.
     """
     try:
-        return asyncio.run(_serve(daemon, candidate, session, on_ready))
+        return _run_loop(_serve(daemon, candidate, session, on_ready))
     finally:
         daemon.close()
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Tasks still pending when the run ends (a background task that ignored its cancellation) are
+# cancelled again and given this long; the process does not wait for them beyond it.
+LEFTOVER_TIMEOUT_S = 5.0
 
 
 async def _serve(daemon: Daemon, candidate: ModelArtifacts | None, session: Session[T] | None,
@@ -110,72 +118,99 @@ async def _serve(daemon: Daemon, candidate: ModelArtifacts | None, session: Sess
         received.append(signum)
         daemon.request_stop()  # a start still under way (an engine build) ends early
 
+    previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     loop.add_signal_handler(signal.SIGHUP, ignore_sighup)
     try:
-        port = await _start(daemon, candidate)
-        if port is None:
-            if session is not None:
-                _raise_for(received)
-            return None
         try:
-            if on_ready is not None:
-                on_ready(port)
-            result = await _until_stopped(daemon, session(port) if session else None)
+            port = await _start(daemon, candidate)
+            result, cut_short = None, session is not None
+            if port is not None:
+                if on_ready is not None:
+                    on_ready(port)
+                result, cut_short = await _until_stopped(
+                    daemon, session(port) if session is not None else None)
         finally:
-            await daemon.stop()
-        if daemon.failure is not None:
-            raise daemon.failure
-        if result is _CUT_SHORT:
-            _raise_for(received)
-        return result  # type: ignore[return-value]
+            await daemon.stop()  # whatever happened above; it does nothing if already stopped
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for signum in _SIGNALS:  # as they were before, not the defaults asyncio leaves
             loop.remove_signal_handler(signum)
+            signal.signal(signum, previous[signum])
+    if daemon.failure is not None:
+        raise daemon.failure
+    if cut_short:
+        _raise_for(received)
+    return result
 
 
 async def _start(daemon: Daemon, candidate: ModelArtifacts | None) -> int | None:
     """Start the daemon; returns its port, or None when a stop request ended the start."""
     try:
-        port = await daemon.start(candidate)
+        return await daemon.start(candidate)
     except StopRequested as exc:
         log.info("stopped while starting: %s", exc)
         return None
-    except AgentError:
-        if candidate is not None:
-            current = daemon.store.current()
-            if current is None or (current.name, current.version) != (candidate.name,
-                                                                       candidate.version):
-                log.error("%s v%d is installed but was not made current, since its start "
-                          "failed; current is still %s", candidate.name, candidate.version,
-                          f"{current.name} v{current.version}" if current else "none")
-        raise
-    return port
 
 
-_CUT_SHORT = object()  # the session was cancelled by a stop request
-
-
-async def _until_stopped(daemon: Daemon, work: Awaitable[T] | None) -> T | object | None:
-    """Wait for a stop request, or for ``work`` to finish first (then its result)."""
+async def _until_stopped(daemon: Daemon, work: Awaitable[T] | None) -> tuple[T | None, bool]:
+    """Wait for a stop request, or for ``work`` to finish first. Returns its result, and
+    whether it was cut short (cancelled, whatever it then did)."""
     stop = asyncio.ensure_future(daemon.wait_for_stop())
     if work is None:
         await stop
-        return None
+        return None, False
     task = asyncio.ensure_future(work)
     try:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         stop.cancel()
-        if not task.done():
+        cut_short = not task.done()
+        if cut_short:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    return _CUT_SHORT if task.cancelled() else task.result()
+    return (None, True) if cut_short else (task.result(), False)
 
 
 def _raise_for(received: list[int]) -> None:
-    """Work cut short by a signal ends as the CLI ends it for Ctrl-C or SIGTERM."""
-    if signal.SIGINT in received and signal.SIGTERM not in received:
+    """Work cut short ends as the CLI ends it for SIGTERM or Ctrl-C, or, when no signal asked
+    for the stop, as the stop request it was."""
+    if signal.SIGTERM in received:
+        raise Terminated()
+    if signal.SIGINT in received:
         raise KeyboardInterrupt
-    raise Terminated()
+    raise StopRequested("the daemon was asked to stop before its session finished")
+
+
+def _run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run``, except that tasks left pending at the end are given
+    :data:`LEFTOVER_TIMEOUT_S` once cancelled instead of as long as they take: a background task
+    that swallows its cancellation must not keep the process from exiting."""
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            _cancel_leftovers(loop)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    if not pending:
+        return
+    for task in pending:
+        task.cancel()
+    done, left = loop.run_until_complete(asyncio.wait(pending, timeout=LEFTOVER_TIMEOUT_S))
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed as it was cancelled at exit", task.get_name(),
+                      exc_info=task.exception())
+    for task in left:
+        log.error("task %s did not end %.0f s after it was cancelled at exit; abandoned",
+                  task.get_name(), LEFTOVER_TIMEOUT_S)

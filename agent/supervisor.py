@@ -95,7 +95,12 @@ class Supervisor:
         self._started = True
         loop = asyncio.get_running_loop()
         for entry in self._entries:
-            entry.task = loop.create_task(entry.factory(), name=f"task-{entry.name}")
+            try:
+                coroutine = entry.factory()
+            except Exception as exc:  # noqa: BLE001 - its setup failed: the others still start
+                self._failed(entry, exc)
+                continue
+            entry.task = loop.create_task(coroutine, name=f"task-{entry.name}")
             entry.task.add_done_callback(functools.partial(self._ended, entry))
             self._change(entry, TaskState.RUNNING)
             log.info("background task %s started", entry.name)
@@ -131,9 +136,13 @@ class Supervisor:
             if self._stopping and task.exception() is None:  # it finished as it was stopped
                 self._change(entry, TaskState.STOPPED)
                 return
+        self._failed(entry, error)
+
+    def _failed(self, entry: _Entry, error: BaseException) -> None:
         entry.error = error
+        critical = entry.critical and not self._stopping
         log.error("background task %s failed%s: %s", entry.name,
-                  " (critical: the daemon stops)" if entry.critical else "", first_line(error),
+                  " (critical: the daemon stops)" if critical else "", first_line(error),
                   exc_info=error if not isinstance(error, InternalError) else None)
         self._change(entry, TaskState.FAILED, error)
 

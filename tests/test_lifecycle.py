@@ -7,6 +7,9 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
+import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ pytest.importorskip("onnxruntime")
 
 from agent.config import load_config
 from agent.daemon import TRANSITIONS, Daemon, DaemonState
-from agent.errors import AgentError, InternalError, Terminated
+from agent.errors import AgentError, InternalError, StopRequested, Terminated
 from agent.observers import BatchDone, RequestDone, ServingObserver
 from agent.run import run_foreground
 from agent.supervisor import Supervisor, TaskState
@@ -287,3 +290,192 @@ def test_sigterm_during_a_session_drains_and_ends_as_terminated(daemon: Daemon) 
     with pytest.raises(Terminated):
         run_foreground(daemon, session=session)
     assert seen[-1] is DaemonState.STOPPED
+
+
+# -- found by a review of the lifecycle: stops that overlap, start and stop crossing, tasks ------
+
+
+def slow_batches(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every batch takes ``seconds`` on the backend (the real ONNX Runtime run, then a wait)."""
+    from agent.backends.onnxruntime import OnnxRuntimeBackend
+
+    real_run = OnnxRuntimeBackend.run
+
+    def slow_run(self: Any, batch: Any) -> Any:
+        outputs = real_run(self, batch)
+        time.sleep(seconds)
+        return outputs
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "run", slow_run)
+
+
+def test_overlapping_and_cancelled_stops_wait_for_the_one_stop(
+        daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_batches(monkeypatch, 0.5)
+    seen: list[DaemonState] = []
+    daemon.add_state_listener(seen.append)
+
+    async def main() -> list[Any]:
+        port = await daemon.start()
+        request = asyncio.ensure_future(infer_async(port))
+        while not daemon.services["tiny"].batcher.load().busy_instances:
+            await asyncio.sleep(0.01)
+        impatient = asyncio.ensure_future(daemon.stop())  # cancelled below, mid-drain
+        await asyncio.sleep(0.05)
+        impatient.cancel()
+        patient = await asyncio.gather(daemon.stop(), daemon.stop(), request,
+                                       return_exceptions=True)
+        return [impatient.cancelled(), *patient]
+
+    # The cancelled caller did not cut the stop short: the batch in flight was answered, and
+    # the states went through once.
+    assert asyncio.run(main()) == [True, None, None, None]
+    assert seen == [DaemonState.STARTING, DaemonState.SERVING, DaemonState.STOPPING,
+                    DaemonState.STOPPED]
+
+
+def test_a_stop_during_the_start_waits_for_it_to_give_up(
+        daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent import runtime
+
+    real_start = runtime.start_backends
+    loading = asyncio.Event()
+
+    def slow_start(*args: Any) -> Any:
+        daemon._loop.call_soon_threadsafe(loading.set)  # type: ignore[union-attr]
+        time.sleep(0.3)  # the instances load meanwhile; the stop request is checked after
+        return real_start(*args)
+
+    monkeypatch.setattr(runtime, "start_backends", slow_start)
+
+    async def main() -> tuple[BaseException | int, DaemonState]:
+        start = asyncio.ensure_future(daemon.start())
+        await loading.wait()
+        await daemon.stop()
+        state = daemon.state
+        outcome = (await asyncio.gather(start, return_exceptions=True))[0]
+        return outcome, state
+
+    outcome, state = asyncio.run(main())
+    assert isinstance(outcome, StopRequested) and state is DaemonState.STOPPED
+    assert daemon.server is None and daemon.services == {}
+
+
+def test_a_task_may_stop_the_daemon_itself(daemon: Daemon) -> None:
+    async def control() -> None:
+        await asyncio.sleep(0.05)
+        await daemon.stop()  # as a control command would: the run then ends
+
+    daemon.add_task("control", control)
+
+    async def serve_forever(port: int) -> None:
+        await asyncio.Event().wait()
+
+    with pytest.raises(StopRequested, match="asked to stop before its session finished"):
+        run_foreground(daemon, session=serve_forever)
+    assert daemon.state is DaemonState.STOPPED and daemon.server is None
+    assert daemon.supervisor.status()[0].state is TaskState.STOPPED
+
+
+@pytest.mark.parametrize("critical", [False, True])
+def test_a_task_whose_setup_fails_is_a_failed_task(daemon: Daemon, critical: bool) -> None:
+    def broken_setup() -> Any:
+        raise RuntimeError("no sysfs here")
+
+    async def fine() -> None:
+        await asyncio.Event().wait()
+
+    daemon.add_task("power", broken_setup, critical=critical)
+    daemon.add_task("other", fine)
+
+    async def session(port: int) -> list[Any]:
+        await infer_async(port)
+        return daemon.supervisor.status()
+
+    if critical:
+        with pytest.raises(AgentError, match="a critical background task failed"):
+            run_foreground(daemon, session=session)
+        assert daemon.state is DaemonState.FAILED
+        return
+    status = run_foreground(daemon, session=session)
+    assert [(task.name, task.state) for task in status] == [("power", TaskState.FAILED),
+                                                           ("other", TaskState.RUNNING)]
+    assert status[0].error == "no sysfs here" and daemon.state is DaemonState.STOPPED
+
+
+def test_a_task_that_never_ends_does_not_keep_the_process(
+        daemon: Daemon, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import agent.run
+
+    monkeypatch.setattr(agent.run, "LEFTOVER_TIMEOUT_S", 0.2)
+    stubborn_daemon = Daemon(daemon.config, task_stop_timeout_s=0.1)
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue  # a bug: it never lets go
+
+    stubborn_daemon.add_task("stubborn", stubborn)
+    run_foreground(stubborn_daemon, session=lambda port: asyncio.sleep(0))
+    assert stubborn_daemon.state is DaemonState.STOPPED
+    assert "did not end 0 s after it was cancelled at exit; abandoned" in caplog.text
+
+
+def test_the_signal_handlers_are_as_they_were_after_a_run(daemon: Daemon) -> None:
+    def mine(*_: Any) -> None:
+        pass
+
+    before = {signum: signal.signal(signum, mine) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        run_foreground(daemon, session=lambda port: asyncio.sleep(0))
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGHUP) is mine
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def test_a_failed_or_stopped_start_lets_go_of_the_state_directory(daemon: Daemon) -> None:
+    """A listener told STOPPED or FAILED may count on the state directory being free: another
+    process opens it then."""
+    probe = ("import sys; from agent.store import ModelStore\n"
+             "ModelStore(sys.argv[1], trusted_keys=[]).open().close()\n")
+    opened: list[int] = []
+
+    def on_state(state: DaemonState) -> None:
+        if state in (DaemonState.STOPPED, DaemonState.FAILED):
+            opened.append(subprocess.run([sys.executable, "-c", probe,
+                                          str(daemon.config.state_dir)],
+                                         capture_output=True, timeout=60).returncode)
+
+    daemon.add_state_listener(on_state)
+    daemon.request_stop()  # before the start: it stops at once
+    run_foreground(daemon)
+    (daemon.config.state_dir / "current").write_bytes(b"garbage")
+    failing = Daemon(daemon.config)
+    failing.add_state_listener(on_state)
+    with pytest.raises(AgentError, match="pointer is corrupt"):
+        run_foreground(failing)
+    assert opened == [0, 0]
+
+
+@pytest.mark.parametrize("how", ["signal", "code"])
+def test_a_cut_session_ends_by_what_stopped_it_whatever_the_session_does(
+        daemon: Daemon, how: str) -> None:
+    async def session(port: int) -> str:
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            daemon.request_stop()  # a component, not an operator
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "pretends it finished"
+        return "finished"
+
+    expected = Terminated if how == "signal" else StopRequested
+    with pytest.raises(expected):
+        run_foreground(daemon, session=session)
+    assert daemon.state is DaemonState.STOPPED

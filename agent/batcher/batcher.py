@@ -104,8 +104,9 @@ class Batcher:
 
     async def stop(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
         """Stop accepting requests; with ``drain`` finish every queued and running request
-        first, else fail the queued ones with NotServing. Worker threads are shut down; the
-        backends stay active (their owner deactivates them)."""
+        first (queued ones still waiting after ``timeout_s`` get NotServing), else fail the
+        queued ones with NotServing at once. A batch that is running always finishes. Worker
+        threads are shut down; the backends stay active (their owner deactivates them)."""
         self._accepting = False
         if not drain:
             self._fail_queued(NotServing("server is shutting down"))
@@ -125,9 +126,10 @@ class Batcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for instance in self._instances:
-            instance.stage_pool.shutdown(wait=True)
-            instance.run_pool.shutdown(wait=True)
+        # A batch still running past the timeout runs to its end (its backend is freed only
+        # after this returns), waited for off the loop: signals and requests (refused now) are
+        # still handled meanwhile.
+        await asyncio.get_running_loop().run_in_executor(None, _shut_down, self._instances)
 
     async def replace_backends(self, backends: Sequence[Backend]) -> list[Backend]:
         """Swap in new (active) backend instances; new batches go to them at once and the old
@@ -497,3 +499,10 @@ class Batcher:
 
 
 _instance_numbers = itertools.count()
+
+
+def _shut_down(instances: Sequence[Instance]) -> None:
+    """Let each instance's worker threads finish their work and end."""
+    for instance in instances:
+        instance.stage_pool.shutdown(wait=True)
+        instance.run_pool.shutdown(wait=True)
