@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -371,8 +372,15 @@ def test_a_task_may_stop_the_daemon_itself(daemon: Daemon) -> None:
     async def serve_forever(port: int) -> None:
         await asyncio.Event().wait()
 
-    with pytest.raises(StopRequested, match="asked to stop before its session finished"):
-        run_foreground(daemon, session=serve_forever)
+    # A hang guard, not a timing check: a run the task's stop did not end is ended by a signal
+    # after 30 s, and then fails the assertion (Terminated, not StopRequested).
+    guard = threading.Timer(30, os.kill, (os.getpid(), signal.SIGTERM))
+    guard.start()
+    try:
+        with pytest.raises(StopRequested, match="asked to stop before its session finished"):
+            run_foreground(daemon, session=serve_forever)
+    finally:
+        guard.cancel()
     assert daemon.state is DaemonState.STOPPED and daemon.server is None
     assert daemon.supervisor.status()[0].state is TaskState.STOPPED
 
