@@ -469,6 +469,26 @@ def test_a_bundle_whose_model_does_not_load_does_not_become_current(
     assert run_daemon(config, on_ready=stop_once_ready) == 0 and ready
 
 
+def test_a_failed_start_says_why_even_when_the_pointer_is_damaged(
+        tmp_path: Path, signed: tuple[Path, Path, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """Naming the candidate that did not become current reads the pointer; a damaged one must
+    not replace the start's own error (the model does not load) with its own."""
+    from agent.errors import AgentError
+    from agent.run import run_daemon
+
+    _, public_key, key = signed
+    config = _config(tmp_path, public_key)
+    broken = _junk_model_bundle(tmp_path, key, version=5)
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "models").mkdir()
+    (tmp_path / "state" / "current").write_bytes(b"garbage")
+    with pytest.raises(AgentError) as caught:
+        run_daemon(config, bundle=broken)
+    assert "pointer" not in str(caught.value) and "model.onnx" in str(caught.value)
+    assert "tiny v5 is installed but was not made current" in caplog.text
+    assert "the current version cannot be read" in caplog.text
+
+
 def test_sighup_neither_kills_nor_stops_the_daemon(tmp_path: Path,
                                                    signed: tuple[Path, Path, Any]) -> None:
     bundle, public_key, _ = signed
