@@ -31,7 +31,7 @@ class RequestDone:
     outcome: str  # one of OUTCOMES
     version: int  # the model version whose instance ran it (or was serving when it ended)
     total_s: float  # from arrival at the batcher to its answer
-    queue_s: float  # waiting, until its batch began to run (the whole time when it never ran)
+    queue_s: float  # waiting until its batch ran, less compute_input (all of it if it never ran)
     compute_input_s: float = 0.0  # copying its batch's inputs into the instance's buffers
     compute_s: float = 0.0  # its batch on the backend
     compute_output_s: float = 0.0  # cutting its rows out of the batch's outputs

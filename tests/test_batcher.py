@@ -788,3 +788,30 @@ def test_a_swap_to_a_smaller_maximum_answers_queued_requests_it_cannot_take(
     later, load = asyncio.run(main())
     assert later.outputs["logits"].shape == (1, 10)
     assert load.completed_total == load.arrivals_total == 3
+
+
+class _SlowStaging(OnnxRuntimeBackend):
+    """Copying a batch's inputs in takes a second (a large frame on a slow board)."""
+
+    def stage(self, batch_size: int, sample_shapes: Any) -> Any:
+        time.sleep(1.0)
+        return super().stage(batch_size, sample_shapes)
+
+
+def test_the_copy_into_the_batch_is_compute_input_not_queue_time(model_path: Path) -> None:
+    # Triton's phases never overlap: queue time ends where the copy into the batch begins.
+    backend = make_backend(model_path, _SlowStaging)
+
+    async def main() -> Any:
+        batcher = Batcher([backend], BatchPolicy(max_batch_size=1))  # each request goes at once
+        batcher.start()
+        result = await batcher.submit({"input": images(1)})
+        await batcher.stop()
+        return result
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        backend.deactivate()
+    assert result.compute_input_s >= 1.0  # the sleep's own guarantee
+    assert result.queue_s < result.compute_input_s

@@ -465,7 +465,9 @@ class Batcher:
                     "request timed out before its batch ran",
                     waited_ms=round((ran.started - request.arrival) * 1e3, 3)))
                 continue
-            queue_s = max(0.0, ran.started - request.arrival)
+            # Until its batch began to run, less the copy into the batch: that is
+            # compute_input, as in Triton, whose phases never overlap.
+            queue_s = max(0.0, ran.started - request.arrival - stage_s)
             self._finish(request, "success", result=InferenceResult(
                 result, queue_s, ran.compute_s, samples, stage_s, ran.split_s))
 
