@@ -252,93 +252,20 @@ class DaemonProcess:
 def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
     """Install the bundle, start the daemon, then: the concurrency sweep, ``rounds`` interleaved
     pairs of (raw backend, HTTP at the top concurrency) for the efficiency, and the open loop."""
-    from agent.config import load_config
-    from agent.daemon import Daemon
-
     with tempfile.TemporaryDirectory(prefix="edge-agent-bench-") as temp:
         state_dir = Path(temp) / "state"
         port = _free_port()
-        overrides = {**options.overrides, "state_dir": state_dir, "http.port": port,
-                     "trust.public_keys": list(options.public_keys)}
-        config = load_config(options.config, overrides=overrides)
-        installer = Daemon(config)
-        try:
-            artifacts = installer.install(options.bundle)
-            installer.make_current(artifacts)
-        finally:
-            installer.close()  # the daemon process below takes the state directory
-        manifest = dict(artifacts.manifest)
-        size = options.input_size or _default_size(manifest)
-        sample_shape = _sample_shape(manifest, size, explicit=options.input_size is not None)
-        frame_bytes = 4 * math.prod(sample_shape)  # one FP32 frame per request
-        if frame_bytes > config.http.max_body_bytes:
-            raise ConfigError("one frame of this input size is larger than the daemon accepts "
-                              "(http.max_body_bytes)", key="--input-size",
-                              found=size, frame_bytes=frame_bytes,
-                              limit=config.http.max_body_bytes)
-        _check_profile(manifest, size)
-        print(f"model {artifacts.name} v{artifacts.version}, frames "
-              f"1x{'x'.join(map(str, sample_shape))}", flush=True)
-        rng = np.random.default_rng(1)
-        samples = tuple(rng.normal(size=(1, *sample_shape)).astype(np.float32) for _ in range(4))
-        token = config.http.token.reveal() if config.http.token is not None else None
-        target = loadgen.Target(base_url=f"http://127.0.0.1:{port}", model=artifacts.name,
-                                input_name=manifest["inputs"][0]["name"], samples=samples,
-                                datatype="FP32",
-                                headers={"Authorization": f"Bearer {token}"} if token else {})
+        config, artifacts = _install(options, state_dir, port)
+        sample_shape = _frame_shape(options, config, dict(artifacts.manifest))
+        target = _target(config, artifacts, port, sample_shape)
         raw = RawBackend(config, artifacts, sample_shape)
         daemon = DaemonProcess(options, state_dir, port)
-        levels: dict[str, dict[str, Any]] = {}
-        rounds: list[dict[str, Any]] = []
-        top = max(options.concurrency)
         try:
             daemon.wait_ready()
-
-            cpu = CpuMeter(daemon.process.pid)
-
-            def measured(result: Any) -> dict[str, Any]:
-                entry = result.to_dict()
-                entry["rss_mb"], entry["rss_peak_mb"] = _rss_mb(daemon.process.pid)
-                # Over the whole window with its warm-up; per request: CPU-ms each answer cost.
-                entry.update(cpu.since_mark())
-                entry["server_cpu_ms_per_request"] = (
-                    10 * entry["server_cpu_percent"] / entry["qps"] if entry["qps"] else None)
-                return entry
-
-            def record(result: Any) -> None:
-                if result.completed == 0 and result.errors:
-                    # Nothing to measure, and every later level would fail alike.
-                    raise AgentError("every request failed at this concurrency; see the daemon's "
-                                     "log", concurrency=result.concurrency, errors=result.errors,
-                                     log=daemon.log_path.read_text(errors="replace")[-400:])
-                levels[str(result.concurrency)] = measured(result)
-                print(_format_level(f"c={result.concurrency}", levels[str(result.concurrency)]),
-                      flush=True)
-
-            loadgen.sweep_closed_loop(target, options.concurrency, duration_s=options.duration_s,
-                                      warmup_s=options.warmup_s, on_result=record)
-            for index in range(options.rounds):
-                # The daemon idles (no spinning threads) while the raw backend is timed, and the
-                # raw backend idles during the HTTP window; pairing them round by round keeps the
-                # ratio honest on a machine whose speed drifts.
-                raw_round = raw.measure(options.raw_min_time_s)
-                cpu.mark()
-                result = asyncio.run(loadgen.run_closed_loop(
-                    target, concurrency=top, duration_s=options.duration_s,
-                    warmup_s=options.warmup_s))
-                entry = measured(result)
-                rounds.append({"raw": raw_round, "http": entry,
-                               "efficiency": entry["qps"] / raw_round["img_s"]})
-                print(f"round {index + 1}: raw {raw_round['img_s']:.1f} img/s, HTTP c={top} "
-                      f"{entry['qps']:.1f} req/s, efficiency {rounds[-1]['efficiency']:.3f}",
-                      flush=True)
-            # Poisson load below saturation: a fraction of the best closed-loop throughput.
-            rate = options.open_loop_fraction * max(entry["qps"] for entry in levels.values())
-            cpu.mark()
-            open_entry = measured(asyncio.run(loadgen.run_open_loop(
-                target, rate_per_s=rate, duration_s=options.duration_s,
-                warmup_s=options.warmup_s)))
-            print(_format_level(f"poisson {rate:.0f}/s", open_entry), flush=True)
+            windows = _Windows(options, target, daemon)
+            windows.sweep()
+            windows.interleaved_rounds(raw)
+            windows.open_loop()
         finally:
             status = daemon.stop()
             raw.close()
@@ -351,7 +278,122 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
                  "max_batch_size": policy.max_batch_size,
                  "max_queue_delay_ms": policy.max_queue_delay_us / 1e3,
                  "preferred_batch_sizes": list(policy.preferred_batch_sizes)}
-    return summarize(setup, levels, rounds, open_entry, options)
+    return summarize(setup, windows.levels, windows.rounds, windows.open_entry, options)
+
+
+def _install(options: ServeBenchOptions, state_dir: Path, port: int) -> tuple[Any, Any]:
+    """The benchmark's configuration, and the bundle installed and current in a fresh store."""
+    from agent.config import load_config
+    from agent.daemon import Daemon
+
+    overrides = {**options.overrides, "state_dir": state_dir, "http.port": port,
+                 "trust.public_keys": list(options.public_keys)}
+    config = load_config(options.config, overrides=overrides)
+    installer = Daemon(config)
+    try:
+        artifacts = installer.install(options.bundle)
+        installer.make_current(artifacts)
+    finally:
+        installer.close()  # the daemon process takes the state directory
+    return config, artifacts
+
+
+def _frame_shape(options: ServeBenchOptions, config: Any,
+                 manifest: dict[str, Any]) -> tuple[int, ...]:
+    """One frame's shape, checked against what the daemon accepts."""
+    size = options.input_size or _default_size(manifest)
+    sample_shape = _sample_shape(manifest, size, explicit=options.input_size is not None)
+    frame_bytes = 4 * math.prod(sample_shape)  # one FP32 frame per request
+    if frame_bytes > config.http.max_body_bytes:
+        raise ConfigError("one frame of this input size is larger than the daemon accepts "
+                          "(http.max_body_bytes)", key="--input-size",
+                          found=size, frame_bytes=frame_bytes,
+                          limit=config.http.max_body_bytes)
+    _check_profile(manifest, size)
+    return sample_shape
+
+
+def _target(config: Any, artifacts: Any, port: int,
+            sample_shape: tuple[int, ...]) -> loadgen.Target:
+    manifest = artifacts.manifest
+    print(f"model {artifacts.name} v{artifacts.version}, frames "
+          f"1x{'x'.join(map(str, sample_shape))}", flush=True)
+    rng = np.random.default_rng(1)
+    samples = tuple(rng.normal(size=(1, *sample_shape)).astype(np.float32) for _ in range(4))
+    token = config.http.token.reveal() if config.http.token is not None else None
+    return loadgen.Target(base_url=f"http://127.0.0.1:{port}", model=artifacts.name,
+                          input_name=manifest["inputs"][0]["name"], samples=samples,
+                          datatype="FP32",
+                          headers={"Authorization": f"Bearer {token}"} if token else {})
+
+
+class _Windows:
+    """The measured windows against the daemon process, each with its memory and CPU."""
+
+    def __init__(self, options: ServeBenchOptions, target: loadgen.Target,
+                 daemon: DaemonProcess) -> None:
+        self.options = options
+        self.target = target
+        self.daemon = daemon
+        self.cpu = CpuMeter(daemon.process.pid)
+        self.levels: dict[str, dict[str, Any]] = {}
+        self.rounds: list[dict[str, Any]] = []
+        self.open_entry: dict[str, Any] = {}
+
+    def sweep(self) -> None:
+        """Closed loop at each concurrency."""
+        options = self.options
+        loadgen.sweep_closed_loop(self.target, options.concurrency, duration_s=options.duration_s,
+                                  warmup_s=options.warmup_s, on_result=self._record)
+
+    def interleaved_rounds(self, raw: RawBackend) -> None:
+        """Pairs of (raw backend, HTTP at the top concurrency): the efficiency."""
+        options = self.options
+        top = max(options.concurrency)
+        for index in range(options.rounds):
+            # The daemon idles (no spinning threads) while the raw backend is timed, and the
+            # raw backend idles during the HTTP window; pairing them round by round keeps the
+            # ratio honest on a machine whose speed drifts.
+            raw_round = raw.measure(options.raw_min_time_s)
+            self.cpu.mark()
+            result = asyncio.run(loadgen.run_closed_loop(
+                self.target, concurrency=top, duration_s=options.duration_s,
+                warmup_s=options.warmup_s))
+            entry = self._measured(result)
+            self.rounds.append({"raw": raw_round, "http": entry,
+                                "efficiency": entry["qps"] / raw_round["img_s"]})
+            print(f"round {index + 1}: raw {raw_round['img_s']:.1f} img/s, HTTP c={top} "
+                  f"{entry['qps']:.1f} req/s, efficiency {self.rounds[-1]['efficiency']:.3f}",
+                  flush=True)
+
+    def open_loop(self) -> None:
+        """Poisson load below saturation: a fraction of the best closed-loop throughput."""
+        options = self.options
+        rate = options.open_loop_fraction * max(entry["qps"] for entry in self.levels.values())
+        self.cpu.mark()
+        self.open_entry = self._measured(asyncio.run(loadgen.run_open_loop(
+            self.target, rate_per_s=rate, duration_s=options.duration_s,
+            warmup_s=options.warmup_s)))
+        print(_format_level(f"poisson {rate:.0f}/s", self.open_entry), flush=True)
+
+    def _measured(self, result: Any) -> dict[str, Any]:
+        entry = result.to_dict()
+        entry["rss_mb"], entry["rss_peak_mb"] = _rss_mb(self.daemon.process.pid)
+        # Over the whole window with its warm-up; per request: CPU-ms each answer cost.
+        entry.update(self.cpu.since_mark())
+        entry["server_cpu_ms_per_request"] = (
+            10 * entry["server_cpu_percent"] / entry["qps"] if entry["qps"] else None)
+        return entry
+
+    def _record(self, result: Any) -> None:
+        if result.completed == 0 and result.errors:
+            # Nothing to measure, and every later level would fail alike.
+            raise AgentError("every request failed at this concurrency; see the daemon's "
+                             "log", concurrency=result.concurrency, errors=result.errors,
+                             log=self.daemon.log_path.read_text(errors="replace")[-400:])
+        self.levels[str(result.concurrency)] = self._measured(result)
+        print(_format_level(f"c={result.concurrency}", self.levels[str(result.concurrency)]),
+              flush=True)
 
 
 def summarize(setup: dict[str, Any], levels: dict[str, dict[str, Any]],
