@@ -196,8 +196,6 @@ def export_onnx(
     Raises:
         ModelError: The export fails, or the ONNX output disagrees with PyTorch.
     """
-    import torch
-
     onnx = require("onnx", extra="host", purpose="ONNX export")
     if opset < MIN_OPSET:
         raise ModelError(f"opset must be >= {MIN_OPSET}", found=opset)
@@ -207,47 +205,13 @@ def export_onnx(
     names = output_names(output, output_name)
     size_axes = output_size_axes(model, example, output)
     dynamic_spatial = size_axes is not None
-    axes: dict[int, str] = {0: "batch"}
-    if dynamic_spatial:
-        axes.update({2: "height", 3: "width"})
-    output_axes = {name: {0: "batch", **(size_axes[index] if size_axes else {})}
-                   for index, name in enumerate(names)}
-    buffer = io.BytesIO()
-    with warnings.catch_warnings(), torch.no_grad():
-        # The TorchScript exporter is deprecated in favour of dynamo export; see module docstring.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", FutureWarning)
-        try:
-            torch.onnx.export(
-                model,
-                (example,),
-                buffer,  # type: ignore[arg-type]  # a file object works; the stub says path only
-                dynamo=False,
-                opset_version=opset,
-                input_names=[input_name],
-                output_names=names,
-                dynamic_axes={input_name: axes, **output_axes},
-                do_constant_folding=False,
-            )
-        except Exception as exc:
-            raise ModelError(f"torch.onnx.export failed: {exc}") from exc
-    raw = onnx.load_from_string(buffer.getvalue())
-    cleaned = clean_onnx(raw)
-    try:
-        onnx.checker.check_model(cleaned)
-    except onnx.checker.ValidationError as exc:
-        raise ModelError(f"exported ONNX is invalid: {exc}") from exc
-    remaining_bn = sum(node.op_type == "BatchNormalization" for node in cleaned.graph.node)
-    if remaining_bn:
-        log.warning("%d BatchNormalization nodes could not be folded (not after a conv)", remaining_bn)
-    check_batch_outputs(cleaned)
+    raw = onnx.load_from_string(
+        _torchscript_export(model, example, opset, input_name, names, size_axes)
+    )
+    cleaned = _cleaned_and_checked(onnx, raw)
     model_bytes = cleaned.SerializeToString()
 
-    batches = [example.numpy()] + list(check_inputs or [])
-    if dynamic_spatial:
-        generator = torch.Generator().manual_seed(0)
-        size = check_size or other_size(example)
-        batches.append(torch.randn((2, example.shape[1], *size), generator=generator).numpy())
+    batches = _check_batches(example, check_inputs, dynamic_spatial, check_size)
     checks, max_error = compare_with_torch(model, model_bytes, input_name, batches, atol, rtol)
     input_shape = tuple(
         dim.dim_param or dim.dim_value for dim in cleaned.graph.input[0].type.tensor_type.shape.dim
@@ -272,6 +236,77 @@ def export_onnx(
         max_error,
     )
     return result
+
+
+def _torchscript_export(
+    model: Any,
+    example: Any,
+    opset: int,
+    input_name: str,
+    names: list[str],
+    size_axes: list[dict[int, str]] | None,
+) -> bytes:
+    """The raw ONNX graph (BatchNorm kept, constants not folded); the batch axis is dynamic, and
+    height and width too when ``size_axes`` says the model runs at another size."""
+    import torch
+
+    axes: dict[int, str] = {0: "batch"}
+    if size_axes is not None:
+        axes.update({2: "height", 3: "width"})
+    output_axes = {name: {0: "batch", **(size_axes[index] if size_axes else {})}
+                   for index, name in enumerate(names)}
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():
+        # The TorchScript exporter is deprecated in favour of dynamo export; see module docstring.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            torch.onnx.export(
+                model,
+                (example,),
+                buffer,  # type: ignore[arg-type]  # a file object works; the stub says path only
+                dynamo=False,
+                opset_version=opset,
+                input_names=[input_name],
+                output_names=names,
+                dynamic_axes={input_name: axes, **output_axes},
+                do_constant_folding=False,
+            )
+        except Exception as exc:
+            raise ModelError(f"torch.onnx.export failed: {exc}") from exc
+    return buffer.getvalue()
+
+
+def _cleaned_and_checked(onnx: Any, raw: Any) -> Any:
+    """``raw`` cleaned by :func:`clean_onnx`, checked by the ONNX checker and for a batch axis on
+    every output; a BatchNorm left unfolded is warned about."""
+    cleaned = clean_onnx(raw)
+    try:
+        onnx.checker.check_model(cleaned)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError(f"exported ONNX is invalid: {exc}") from exc
+    remaining_bn = sum(node.op_type == "BatchNormalization" for node in cleaned.graph.node)
+    if remaining_bn:
+        log.warning("%d BatchNormalization nodes could not be folded (not after a conv)", remaining_bn)
+    check_batch_outputs(cleaned)
+    return cleaned
+
+
+def _check_batches(
+    example: Any,
+    check_inputs: list[np.ndarray] | None,
+    dynamic_spatial: bool,
+    check_size: tuple[int, int] | None,
+) -> list[np.ndarray]:
+    """The batches to compare ONNX Runtime and PyTorch on (see :func:`export_onnx`)."""
+    import torch
+
+    batches = [example.numpy()] + list(check_inputs or [])
+    if dynamic_spatial:
+        generator = torch.Generator().manual_seed(0)
+        size = check_size or other_size(example)
+        batches.append(torch.randn((2, example.shape[1], *size), generator=generator).numpy())
+    return batches
 
 
 def compare_with_torch(

@@ -27,7 +27,7 @@ from pruning.pruner import (
     make_importance,
     output_shapes,
 )
-from pruning.report import PruneReport, StepStats, count_macs_and_params, measure
+from pruning.report import ModelStats, PruneReport, StepStats, count_macs_and_params, measure
 
 log = logging.getLogger(__name__)
 
@@ -83,20 +83,12 @@ def prune_model(
             ``target_macs``, or pruning that would change the shape of an output.
         ConfigError: ``ignored_layer_names`` names a module the model does not have.
     """
-    if config.importance == "taylor" and loss_batches is None:
-        raise PruningError(
-            "taylor importance needs loss_batches to compute gradients",
-            key="importance",
-            found=config.importance,
-        )
+    _check_arguments(config, example_input, loss_batches)
     if loss_function is None:
         loss_function = nn.functional.cross_entropy
     # Only Taylor importance reads gradients; None skips the gradient pass for the others.
     gradient_batches = loss_batches if config.importance == "taylor" else None
     level = logging.INFO if progress else logging.DEBUG
-    if not isinstance(example_input, Tensor):
-        raise ConfigError("example_input must be one tensor (a batch for the model's single "
-                          "input)", key="example_input", found=type(example_input).__name__)
     working = copy.deepcopy(model)
     input_shape = tuple(example_input.shape)
     try:
@@ -120,18 +112,66 @@ def prune_model(
             level=level,
         )
 
+    steps = _prune_in_steps(
+        working,
+        example_input,
+        config,
+        ratio,
+        before=before,
+        reference_shapes=reference_shapes,
+        gradient_batches=gradient_batches,
+        loss_function=loss_function,
+        finetune=finetune,
+        level=level,
+    )
+    working.eval()
+    after = measure(working, example_input)
+    report = _prune_report(config, ratio, before, after, input_shape=input_shape, steps=steps)
+    return PruneResult(model=working, report=report, ratio=ratio)
+
+
+def _check_arguments(
+    config: PruneConfig, example_input: Tensor, loss_batches: LossBatches | None
+) -> None:
+    """Refuse what cannot be pruned before the model is copied."""
+    if config.importance == "taylor" and loss_batches is None:
+        raise PruningError(
+            "taylor importance needs loss_batches to compute gradients",
+            key="importance",
+            found=config.importance,
+        )
+    if not isinstance(example_input, Tensor):
+        raise ConfigError("example_input must be one tensor (a batch for the model's single "
+                          "input)", key="example_input", found=type(example_input).__name__)
+
+
+def _prune_in_steps(
+    model: nn.Module,
+    example_input: Tensor,
+    config: PruneConfig,
+    ratio: float,
+    *,
+    before: ModelStats,
+    reference_shapes: list[tuple[int, ...]],
+    gradient_batches: LossBatches | None,
+    loss_function: LossFunction,
+    finetune: Finetune | None,
+    level: int,
+) -> list[StepStats]:
+    """Prune ``model`` in place in ``config.iterative_steps`` steps; the MACs and parameters
+    after each step."""
     pruner = _make_pruner(
-        working, example_input, config, ratio, iterative_steps=config.iterative_steps
+        model, example_input, config, ratio, iterative_steps=config.iterative_steps
     )
     steps: list[StepStats] = []
     for step_index in range(config.iterative_steps):
         if gradient_batches is not None:
-            accumulate_gradients(working, gradient_batches, loss_function)
+            accumulate_gradients(model, gradient_batches, loss_function)
         pruner.step()
         # Gradients of removed channels are stale now; drop them before anything trains.
-        working.zero_grad(set_to_none=True)
-        _check_output_shapes(working, example_input, reference_shapes)
-        macs, params = count_macs_and_params(working, example_input)
+        model.zero_grad(set_to_none=True)
+        _check_output_shapes(model, example_input, reference_shapes)
+        macs, params = count_macs_and_params(model, example_input)
         steps.append(StepStats(step=step_index + 1, macs=macs, params=params))
         log.log(
             level,
@@ -146,10 +186,20 @@ def prune_model(
             params,
         )
         if finetune is not None:
-            finetune(working, step_index)
+            finetune(model, step_index)
+    return steps
 
-    working.eval()
-    after = measure(working, example_input)
+
+def _prune_report(
+    config: PruneConfig,
+    ratio: float,
+    before: ModelStats,
+    after: ModelStats,
+    *,
+    input_shape: tuple[int, ...],
+    steps: list[StepStats],
+) -> PruneReport:
+    """What pruning did, with the ratio applied and, for ``target_macs``, whether it was met."""
     if config.target_macs is not None and after.macs > config.target_macs:
         # Only global ranking with fine-tuning between steps can end above the searched
         # structure: the ranking then depends on weights that changed after the search.
@@ -162,7 +212,7 @@ def prune_model(
     settings["ratio_applied"] = ratio
     if config.target_macs is not None:
         settings["target_met"] = after.macs <= config.target_macs
-    report = PruneReport.compare(
+    return PruneReport.compare(
         before,
         after,
         input_shape=input_shape,
@@ -170,7 +220,6 @@ def prune_model(
         steps=tuple(steps),
         settings=settings,
     )
-    return PruneResult(model=working, report=report, ratio=ratio)
 
 
 def _make_pruner(

@@ -101,17 +101,7 @@ def sensitivity_scan(
         ConfigError: A ratio, the importance or round_to is invalid.
         PruningError: Taylor importance without ``loss_batches``.
     """
-    ratios = [check_fraction("ratios", ratio, allow_zero=False) for ratio in ratios]
-    if not ratios:
-        raise ConfigError("ratios must list at least one ratio", key="ratios", found="()")
-    check_choice("importance", importance, IMPORTANCES)
-    round_to = check_positive_int("round_to", round_to)
-    if importance == "taylor" and loss_batches is None:
-        raise PruningError(
-            "taylor importance needs loss_batches to compute gradients",
-            key="importance",
-            found=importance,
-        )
+    ratios, round_to = _checked_arguments(ratios, importance, round_to, loss_batches)
     level = logging.INFO if progress else logging.DEBUG
     base = copy.deepcopy(model)
     if importance == "taylor" and loss_batches is not None:
@@ -124,21 +114,16 @@ def sensitivity_scan(
     groups = _prunable_groups(base, example_input, ignored_layer_names, round_to)
     for root_name, coupled, width in groups:
         for ratio in ratios:
-            trial = copy_with_gradients(base)
-            modules = dict(trial.named_modules())
-            pruner = AlignedPruner(
-                trial,
+            trial, width_after = _prune_group_alone(
+                base,
                 example_input,
-                make_importance(importance),
-                # Each trial prunes one group by exactly the ratio asked; no extra floor.
+                root_name,
+                ratio,
+                importance=importance,
                 max_layer_ratio=max(ratios),
-                pruning_ratio=0.0,
-                pruning_ratio_dict={modules[root_name]: ratio},
-                ignored_layers=layers_to_ignore(trial, example_input, ignored_layer_names),
+                ignored_layer_names=ignored_layer_names,
                 round_to=round_to,
             )
-            pruner.step()
-            width_after = _out_width(modules[root_name])
             metric = float(evaluate(trial))
             entry = LayerSensitivity(
                 layer=root_name,
@@ -162,6 +147,57 @@ def sensitivity_scan(
             results.append(entry)
     results.sort(key=lambda entry: (-entry.drop, entry.layer, entry.ratio))
     return results
+
+
+def _checked_arguments(
+    ratios: Sequence[float],
+    importance: str,
+    round_to: int,
+    loss_batches: LossBatches | None,
+) -> tuple[list[float], int]:
+    """The ratios and round_to as checked; raises before any copy or evaluation is made."""
+    ratios = [check_fraction("ratios", ratio, allow_zero=False) for ratio in ratios]
+    if not ratios:
+        raise ConfigError("ratios must list at least one ratio", key="ratios", found="()")
+    check_choice("importance", importance, IMPORTANCES)
+    round_to = check_positive_int("round_to", round_to)
+    if importance == "taylor" and loss_batches is None:
+        raise PruningError(
+            "taylor importance needs loss_batches to compute gradients",
+            key="importance",
+            found=importance,
+        )
+    return ratios, round_to
+
+
+def _prune_group_alone(
+    base: nn.Module,
+    example_input: Tensor,
+    root_name: str,
+    ratio: float,
+    *,
+    importance: str,
+    max_layer_ratio: float,
+    ignored_layer_names: Sequence[str],
+    round_to: int,
+) -> tuple[nn.Module, int]:
+    """A copy of ``base`` with only the group rooted at ``root_name`` pruned by ``ratio``, and
+    the root's output width after it."""
+    trial = copy_with_gradients(base)
+    modules = dict(trial.named_modules())
+    pruner = AlignedPruner(
+        trial,
+        example_input,
+        make_importance(importance),
+        # Each trial prunes one group by exactly the ratio asked; no extra floor.
+        max_layer_ratio=max_layer_ratio,
+        pruning_ratio=0.0,
+        pruning_ratio_dict={modules[root_name]: ratio},
+        ignored_layers=layers_to_ignore(trial, example_input, ignored_layer_names),
+        round_to=round_to,
+    )
+    pruner.step()
+    return trial, _out_width(modules[root_name])
 
 
 def _out_width(module: nn.Module) -> int:
