@@ -60,7 +60,8 @@ StateListener = Callable[["DaemonState"], None]
 
 
 class Daemon:
-    """Everything the daemon runs, from the store to the background tasks.
+    """Everything the daemon runs, from the store to the background tasks. A daemon runs once
+    (start, then stop); running again takes a new one.
 
     Args:
         config: The validated configuration.
@@ -248,8 +249,8 @@ class Daemon:
             loop.call_soon_threadsafe(wanted.set)
 
     async def wait_for_stop(self) -> None:
-        """Return once a stop is requested: a signal, or a critical background task's failure
-        (then :attr:`failure` says which)."""
+        """Return once a stop is requested: :meth:`request_stop` (a signal), :meth:`stop`, or a
+        critical background task's failure (then :attr:`failure` says which)."""
         if self._stop_wanted is None:
             raise InternalError("Daemon.wait_for_stop() before start()")
         await self._stop_wanted.wait()
