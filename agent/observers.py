@@ -76,10 +76,6 @@ class Observers(ServingObserver):
     def unsubscribe(self, subscriber: ServingObserver) -> None:
         self._subscribers = tuple(item for item in self._subscribers if item is not subscriber)
 
-    @property
-    def subscribers(self) -> tuple[ServingObserver, ...]:
-        return self._subscribers
-
     def request_done(self, event: RequestDone) -> None:
         for subscriber in self._subscribers:
             try:

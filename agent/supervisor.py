@@ -132,10 +132,11 @@ class Supervisor:
             error: BaseException = InternalError("cancelled by something other than the "
                                                  "supervisor")
         else:
-            error = task.exception() or InternalError("returned while the daemon still runs")
-            if self._stopping and task.exception() is None:  # it finished as it was stopped
+            raised = task.exception()
+            if raised is None and self._stopping:  # it finished as it was stopped
                 self._change(entry, TaskState.STOPPED)
                 return
+            error = raised or InternalError("returned while the daemon still runs")
         self._failed(entry, error)
 
     def _failed(self, entry: _Entry, error: BaseException) -> None:

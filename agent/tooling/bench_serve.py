@@ -257,6 +257,8 @@ def run_bench(options: ServeBenchOptions) -> dict[str, Any]:
         port = _free_port()
         config, artifacts = _install(options, state_dir, port)
         sample_shape = _frame_shape(options, config, dict(artifacts.manifest))
+        print(f"model {artifacts.name} v{artifacts.version}, frames "
+              f"1x{'x'.join(map(str, sample_shape))}", flush=True)
         target = _target(config, artifacts, port, sample_shape)
         raw = RawBackend(config, artifacts, sample_shape)
         daemon = DaemonProcess(options, state_dir, port)
@@ -315,9 +317,8 @@ def _frame_shape(options: ServeBenchOptions, config: Any,
 
 def _target(config: Any, artifacts: Any, port: int,
             sample_shape: tuple[int, ...]) -> loadgen.Target:
+    """What the load generator sends: a few random frames to the model, with the bearer token."""
     manifest = artifacts.manifest
-    print(f"model {artifacts.name} v{artifacts.version}, frames "
-          f"1x{'x'.join(map(str, sample_shape))}", flush=True)
     rng = np.random.default_rng(1)
     samples = tuple(rng.normal(size=(1, *sample_shape)).astype(np.float32) for _ in range(4))
     token = config.http.token.reveal() if config.http.token is not None else None

@@ -23,7 +23,6 @@ from agent.tooling.loadgen.measures import (
     ERROR_DROPPED,
     ERROR_MISMATCH,
     ERROR_TIMEOUT,
-    STATS_TIMEOUT_S,
     LoadResult,
     ServerBreakdown,
     percentiles,
@@ -37,6 +36,9 @@ from agent.tooling.loadgen.messages import (
     decode_response,
     encode_request,
 )
+
+STATS_TIMEOUT_S = 2.0  # one statistics reading, before or after a window
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)  # samples are arrays: no element-wise ==
 class Target:

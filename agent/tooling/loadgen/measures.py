@@ -18,7 +18,6 @@ ERROR_DECODE = "decode"
 ERROR_MISMATCH = "mismatch"
 ERROR_DROPPED = "dropped"
 
-STATS_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True, kw_only=True)
 class ServerBreakdown:
