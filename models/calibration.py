@@ -99,6 +99,27 @@ def _matches(sample_shape: tuple[int, ...], spec: TensorSpec) -> bool:
     return all(want in (-1, got) for want, got in zip(expected, sample_shape))
 
 
+def _layout_hint(sample_shape: tuple[int, ...], spec: TensorSpec) -> str:
+    """A hint for an image sample given in the other layout: channels-first (C x H x W) for a
+    model that takes channels-last (H x W x C), or the other way round; "" otherwise."""
+    expected = spec.shape[1:]
+    if len(sample_shape) != 3 or len(expected) != 3:
+        return ""
+    as_channels_last = (sample_shape[1], sample_shape[2], sample_shape[0])  # C,H,W -> H,W,C
+    as_channels_first = (sample_shape[2], sample_shape[0], sample_shape[1])  # H,W,C -> C,H,W
+
+    def fits(shape: tuple[int, ...]) -> bool:
+        return all(want in (-1, got) for want, got in zip(expected, shape))
+
+    if 0 < expected[2] <= 4 and fits(as_channels_last):
+        return ("; the samples look channels-first (C x H x W) and the model takes channels-last "
+                "(N x H x W x C): transpose each sample with .transpose(1, 2, 0)")
+    if 0 < expected[0] <= 4 and fits(as_channels_first):
+        return ("; the samples look channels-last (H x W x C) and the model takes channels-first "
+                "(N x C x H x W): transpose each sample with .transpose(2, 0, 1)")
+    return ""
+
+
 def _read_file(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
     try:
         if path.suffix.lower() == ".npz":
@@ -129,7 +150,7 @@ def _read_file(path: Path, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
             array = array[0]
         if not _matches(tuple(array.shape), spec):
             raise CalibrationError(
-                "calibration sample has the wrong shape",
+                "calibration sample has the wrong shape" + _layout_hint(tuple(array.shape), spec),
                 path=path,
                 input=spec.name,
                 expected=["N" if dim == -1 else dim for dim in spec.shape[1:]],

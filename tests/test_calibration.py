@@ -62,6 +62,22 @@ def test_wrong_shape_names_the_file(tmp_path):
     assert "sample-0001.npy" in str(error.value)
 
 
+def test_samples_in_the_other_layout_get_a_hint_to_transpose(tmp_path):
+    nhwc = TensorSpec("image", "float32", (-1, 24, 32, 3), ("batch", "", "", ""))
+    np.save(tmp_path / "a.npy", _images(1, (3, 24, 32))[0])  # channels-first for an NHWC model
+    with pytest.raises(CalibrationError, match=r"channels-first.*transpose\(1, 2, 0\)"):
+        from_directory(tmp_path, [nhwc])
+    nchw = TensorSpec("image", "float32", (-1, 3, 24, 32), ("batch", "", "", ""))
+    (tmp_path / "a.npy").unlink()
+    np.save(tmp_path / "b.npy", _images(1, (24, 32, 3))[0])
+    with pytest.raises(CalibrationError, match=r"channels-last.*transpose\(2, 0, 1\)"):
+        from_directory(tmp_path, [nchw])
+    np.save(tmp_path / "b.npy", _images(1, (3, 20, 20))[0])  # merely the wrong size: no hint
+    with pytest.raises(CalibrationError, match="wrong shape") as error:
+        from_directory(tmp_path, [nchw])
+    assert "transpose" not in str(error.value)
+
+
 def test_samples_of_different_sizes_cannot_be_stacked(tmp_path):
     np.save(tmp_path / "a.npy", _images(1, (3, 8, 8))[0])
     np.save(tmp_path / "b.npy", _images(1, (3, 16, 16))[0])
