@@ -58,7 +58,9 @@ def create_session(
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.log_severity_level = 3
+    # Errors reach the caller as exceptions (which the tools print as one line); at level 3
+    # (errors) a failed run would also print ONNX Runtime's own coloured copy of it first.
+    options.log_severity_level = 4
     options.enable_profiling = profile
     exact_int8 = int8_may_saturate()
     if exact_int8:

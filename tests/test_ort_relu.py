@@ -335,3 +335,17 @@ def test_a_zero_point_shared_by_weights_is_given_one_per_weight() -> None:
     np.testing.assert_array_equal(emulated(model), before)
     np.testing.assert_allclose(run(model, data), before, rtol=0, atol=0.05)  # fused kernels run
     assert _unshare_zero_points(model) == 0  # idempotent
+
+
+def test_a_failed_run_raises_without_printing_onnx_runtimes_own_error_line(capfd):
+    # The tools print an error as one line; ONNX Runtime's coloured log copy must not come first.
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])], "reshape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([-1, 4], np.int64), "shape")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = create_session(model.SerializeToString(), threads=1)
+    with pytest.raises(Exception, match="Reshape"):
+        session.run(None, {"x": np.zeros((1, 3), np.float32)})  # 3 values cannot be N x 4
+    assert "onnxruntime" not in capfd.readouterr().err
