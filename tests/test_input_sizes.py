@@ -410,26 +410,28 @@ def test_a_model_of_any_size_builds_with_twice_its_frame(tmp_path, keys):
                                                  "width: any size from 28 to 56 (the largest tried)"]
 
 
-def _fails(args: list[str], capsys) -> str:
+def _fails(args: list[str], capfd) -> str:
     status = main(args)
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = capfd.readouterr().err.strip().splitlines()
     assert status != 0 and lines[-1].startswith("edge-agent: error:"), lines
-    assert not any("Traceback" in line for line in lines)
+    # One line: no traceback, and no ONNX Runtime log of the runs that failed on the way.
+    assert [line for line in lines if "error" in line.lower()] == [lines[-1]], lines
+    assert not any("onnxruntime" in line.lower() for line in lines[:-1]), lines
     return lines[-1]
 
 
-def test_profile_shape_on_the_command_line_sets_the_profile_and_the_batch(tmp_path, keys, capsys):
+def test_profile_shape_on_the_command_line_sets_the_profile_and_the_batch(tmp_path, keys, capfd):
     model = fixed_height_model(tmp_path / "rec.onnx")
     calib = _samples(tmp_path / "c", (1, 48, 40))
     args = ["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
             "--out", str(tmp_path / "out"), *QUICK]
-    err = _fails([*args, "--profile-shape", "x:1x1x48x16,4x1x48x40,16x1x96x120"], capsys)
+    err = _fails([*args, "--profile-shape", "x:1x1x48x16,4x1x48x40,16x1x96x120"], capfd)
     assert "the --profile-shape max's height and width" in err
     way_out = re.search(r"try --profile-shape (\S+), which runs", err).group(1)
     assert way_out == "x:1x1x48x16,4x1x48x40,16x1x48x120"
-    err = _fails([*args, "--profile-shape", f"{way_out}", "--max-batch", "32"], capsys)
+    err = _fails([*args, "--profile-shape", f"{way_out}", "--max-batch", "32"], capfd)
     assert "sets the batch range (1..4..16): leave out --max-batch and --opt-batch" in err
-    assert "takes NAME:MIN,OPT,MAX" in _fails([*args, "--profile-shape", "x:1x1x48"], capsys)
+    assert "takes NAME:MIN,OPT,MAX" in _fails([*args, "--profile-shape", "x:1x1x48"], capfd)
     assert _outputs(tmp_path / "out") == set()
     # The way out the error named works; --max-batch and --opt-batch come from it.
     manifest, report = _build(model, calib, keys, tmp_path / "out", "--profile-shape", way_out)
@@ -454,3 +456,56 @@ def test_sizes_one_more_than_a_multiple_keep_their_phase():
     assert findings.lines()[0] == "height: 32n + 1 from 513 to 1025 (the largest tried)"
     findings = probe_sizes(runs, frame, {"height": 500, "width": 513}, frame)
     assert findings.deployed_failure == "its height must be 32n + 1, not 500"
+
+
+def image_and_depth_model(path: Path) -> Path:
+    """RGB and an aligned depth map of any (but the same) size, concatenated, and a 1x1 conv."""
+    weight = numpy_helper.from_array(np.full((2, 4, 1, 1), 0.25, np.float32), "w")
+    nodes = [helper.make_node("Concat", ["image", "depth"], ["both"], axis=1),
+             helper.make_node("Conv", ["both", "w"], ["y"])]
+    return _save(path, nodes,
+                 [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["n", 3, "h", "w"]),
+                  helper.make_tensor_value_info("depth", TensorProto.FLOAT, ["n", 1, "h", "w"])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2, "h", "w"])],
+                 [weight])
+
+
+def _two_inputs() -> dict:
+    return {"input_name": "image",
+            "inputs": [("image", "float32", (3, 16, 16)), ("depth", "float32", (1, 16, 16))],
+            "layouts": {"image": "NCHW", "depth": "NCHW"}, "dynamic_hw": ["height", "width"]}
+
+
+def _given_all(*texts: str) -> BuildOptions:
+    shapes = tuple(parse_profile_shape(text) for text in texts)
+    return _options(profile_shapes=shapes, max_batch=shapes[0].batch[2],
+                    opt_batch=shapes[0].batch[1], threads=1)
+
+
+def test_profile_shapes_of_several_inputs_must_agree_with_the_first(tmp_path):
+    model = image_and_depth_model(tmp_path / "rgbd.onnx").read_bytes()
+    image = "image:1x3x16x16,2x3x32x32,4x3x64x64"
+    section = choose_engine_profile(model, _two_inputs(),
+                                    _given_all(image, "depth:1x1x16x16,2x1x32x32,4x1x64x64"))
+    assert section["profile"] == {"batch": [1, 2, 4], "height": [16, 32, 64],
+                                  "width": [16, 32, 64]}
+    with pytest.raises(ConfigError, match="must be depth:1x1x16x16,2x1x32x32,4x1x64x64: the "
+                                          "engine profile gives every input image's batch"):
+        choose_engine_profile(model, _two_inputs(),
+                              _given_all(image, "depth:1x1x16x16,2x1x32x32,4x1x48x48"))
+    with pytest.raises(ConfigError, match="must give the first input 'image': the engine "
+                                          "profile's height and width are its "
+                                          r"\(e.g. image:1x3x16x16,2x3x16x16,4x3x16x16"):
+        choose_engine_profile(model, _two_inputs(),
+                              _given_all("depth:1x1x16x16,2x1x32x32,4x1x64x64"))
+
+
+def test_a_profile_shape_for_a_model_of_fixed_size_sets_its_batch(tmp_path):
+    model = tiny_classifier(tmp_path / "fixed.onnx", static_hw=16).read_bytes()
+    meta = _meta((3, 16, 16), name="input", dynamic=())
+    section = choose_engine_profile(model, meta,
+                                    _given_all("input:1x3x16x16,4x3x16x16,8x3x16x16"))
+    assert section["profile"] == {"batch": [1, 4, 8]}
+    assert section["checked"] == "batch only"
+    with pytest.raises(ConfigError, match="axis 2 is fixed at 16 in the model"):
+        choose_engine_profile(model, meta, _given_all("input:1x3x16x16,4x3x32x32,8x3x32x32"))
