@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from agent.errors import ModelError, first_line
-from models.input_sizes import (Frame, SizeFindings, SizeRuns, is_memory_failure, nearest_frame,
+from models.input_sizes import (Frame, Runner, SizeFindings, SizeRuns, is_memory_failure, nearest_frame,
                                 probe_sizes)
 from models.pipeline.frames import _calibrated_frame, _frame_inputs, frame_size
 from models.pipeline.options import BuildOptions
@@ -106,7 +106,7 @@ def _given(float_bytes: bytes, meta: dict[str, Any], options: BuildOptions,
             frame = {name: profile[name][bound] for name in dynamic}
             reason = runs.reason(frame)
             if reason is not None:
-                raise _given_failure(meta, options, runs, profile, frame, label, reason)
+                raise _given_failure(meta, runs, profile, frame, label, reason)
     return {"chosen": "given", "profile": profile,
             "given": [shape.text() for shape in shapes],
             "checked": "ran at min, opt and max (one sample)" if dynamic else "batch only"}
@@ -124,7 +124,7 @@ def _frames(meta: dict[str, Any], deployment: tuple[int, int] | None
 
 
 def _runner(float_bytes: bytes, meta: dict[str, Any], options: BuildOptions,
-            samples: Mapping[str, np.ndarray] | None):
+            samples: Mapping[str, np.ndarray] | None) -> Runner:
     """The FP32 model run at a frame on one sample (the fixed batch, if the graph has one): None
     when it ran, else ONNX Runtime's reason on one line. ONNX Runtime's own log of a failed run
     is silenced: a probe expects failures."""
@@ -205,9 +205,8 @@ def _deployment_failure(meta: dict[str, Any], runs: SizeRuns, findings: SizeFind
                       f"which runs ({found})")
 
 
-def _given_failure(meta: dict[str, Any], options: BuildOptions, runs: SizeRuns,
-                   profile: Mapping[str, list[int]], frame: dict[str, int], label: str,
-                   reason: str) -> ModelError:
+def _given_failure(meta: dict[str, Any], runs: SizeRuns, profile: Mapping[str, list[int]],
+                   frame: dict[str, int], label: str, reason: str) -> ModelError:
     """The model does not run at a --profile-shape frame: the error names the shape and one
     --profile-shape that runs, probed around the given opt (else the calibrated frame) up to
     the given max."""
