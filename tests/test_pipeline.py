@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -184,20 +185,26 @@ def test_a_missing_public_key_beside_the_directorys_key_is_written(tmp_path):
 def test_a_frame_the_host_has_no_memory_for_is_named_as_such(monkeypatch):
     import models.ort
     from agent.errors import ModelError
-    from models.pipeline import BuildOptions, check_frame_sizes
+    from models.pipeline import BuildOptions, choose_engine_profile
 
-    class OutOfMemory:
-        def run(self, *args):
-            raise RuntimeError("onnxruntime::BFCArena: std::bad_alloc")
+    class OutOfMemory:  # has memory for frames of up to 64 x 64 pixels
+        def run(self, outputs, feed, *options):
+            if np.prod(next(iter(feed.values())).shape[2:]) > 64 * 64:
+                raise RuntimeError("onnxruntime::BFCArena: std::bad_alloc")
 
     monkeypatch.setattr(models.ort, "create_session", lambda *args, **kwargs: OutOfMemory())
     meta = {"input_name": "input", "inputs": [("input", "float32", (3, 32, 32))],
             "layouts": {"input": "NCHW"}, "dynamic_hw": ["height", "width"]}
     options = BuildOptions(out_dir=Path("out"), onnx=Path("m.onnx"), calib_dir=Path("c"),
                            frame_size=(4096, 4096))
-    with pytest.raises(ModelError, match="not enough memory to run the model at the engine "
-                                         "profile's optimum frame size"):
-        check_frame_sizes(b"", meta, options)
+    with pytest.raises(ModelError, match=r"not enough memory to run the model at the deployment "
+                                         r"frame \(input \[1, 3, 4096, 4096\]\); give a smaller "
+                                         "--frame-size") as raised:
+        choose_engine_profile(b"", meta, options)
+    # The frame it names does run: it fits this host's memory, and is more than the samples'.
+    height, width = map(int, re.search(r"e\.g\. --frame-size (\d+)x(\d+), which runs",
+                                       str(raised.value)).groups())
+    assert 32 * 32 < height * width <= 64 * 64
 
 
 def test_a_failed_build_without_a_key_leaves_no_key_behind(tmp_path, capsys):
@@ -771,8 +778,9 @@ def test_a_frame_size_the_model_cannot_take_is_refused_before_calibration(tmp_pa
     args = ["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
             "--out", str(tmp_path / "out"), "--calib-samples", "48"]
     err = _fails([*args, "--frame-size", "30x32"], capsys)
-    assert "does not run at the engine profile's optimum frame size (input [1, 3, 30, 32])" in err
-    assert "give --frame-size" in err and "Traceback" not in err
+    assert ("does not run at the deployment frame (input [1, 3, 30, 32]): its height must be a "
+            "multiple of 4, not 30; give --frame-size 32x32, which runs") in err
+    assert "Traceback" not in err
     assert _outputs(tmp_path / "out") == set()
     manifest = _build_onnx(model, calib, keys, tmp_path / "out", "--frame-size", "64x96",
                            "--accuracy-budget", "100")

@@ -66,15 +66,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--name", help="bundle name (default: from the model)")
     build.add_argument("--version", type=int, dest="bundle_version",
                        help="bundle version (default: one more than the newest in DIR)")
-    build.add_argument("--max-batch", type=int, default=32, metavar="N",
-                       help="largest batch the engine profile allows")
-    build.add_argument("--opt-batch", type=int, default=8, metavar="N",
-                       help="batch the engine is tuned for")
+    build.add_argument("--max-batch", type=int, metavar="N",
+                       help="largest batch the engine profile allows (default: 32, or the "
+                            "--profile-shape max batch)")
+    build.add_argument("--opt-batch", type=int, metavar="N",
+                       help="batch the engine is tuned for (default: 8, or the --profile-shape "
+                            "opt batch)")
     build.add_argument("--frame-size", type=_frame_size, metavar="HxW",
                        help="deployment frame for models that take any image size: the engine "
-                            "profile's optimum (its range: the calibration size to twice this) "
-                            "and the host speed check's input (default: 224x224 for the example "
-                            "models, the calibration samples' size otherwise)")
+                            "profile's optimum (its range: the calibration size to twice this, "
+                            "as far as the model runs) and the host speed check's input "
+                            "(default: 224x224 for the example models, the calibration samples' "
+                            "size otherwise)")
+    build.add_argument("--profile-shape", action="append", metavar="NAME:MIN,OPT,MAX",
+                       help="the engine profile by hand, as trtexec's --minShapes/--optShapes/"
+                            "--maxShapes, e.g. x:1x3x48x32,8x3x48x320,32x3x48x640 (once per "
+                            "input): replaces the sizes found by running the model; its batch "
+                            "sets --max-batch and --opt-batch")
     build.add_argument("--output-layout", choices=("NCHW", "NHWC"),
                        help="layout of a 4-D first output (segmentation), for judging agreement "
                             "without labels (default: told by the graph)")
@@ -136,13 +144,28 @@ def _pruning_settings(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
+def _batch_settings(args: argparse.Namespace, profile_shapes: tuple[Any, ...]) -> dict[str, Any]:
+    """--max-batch and --opt-batch as BuildOptions fields: as given, else the --profile-shape
+    batch range's max and opt (BuildOptions refuses values that disagree with it), else
+    BuildOptions' defaults."""
+    settings = {}
+    for name, bound in (("max_batch", 2), ("opt_batch", 1)):
+        value = getattr(args, name)
+        if value is None and profile_shapes:
+            value = profile_shapes[0].batch[bound]
+        if value is not None:
+            settings[name] = value
+    return settings
+
+
 def run_build(args: argparse.Namespace) -> int:
     require("torch", extra="host", purpose="edge-agent build")
-    from models.pipeline import BuildOptions, build, format_summary
+    from models.pipeline import BuildOptions, build, format_summary, parse_profile_shape
 
     model = args.model
     if model is None and args.onnx is None and args.user_model is None:
         model = DEFAULT_MODEL
+    profile_shapes = tuple(parse_profile_shape(text) for text in args.profile_shape or ())
     options = BuildOptions(
         out_dir=args.out,
         model=model,
@@ -161,9 +184,9 @@ def run_build(args: argparse.Namespace) -> int:
         key=args.key,
         name=args.name,
         version=args.bundle_version,
-        max_batch=args.max_batch,
-        opt_batch=args.opt_batch,
+        **_batch_settings(args, profile_shapes),
         frame_size=args.frame_size,
+        profile_shapes=profile_shapes,
         output_layout=args.output_layout,
         threads=args.threads,
         build_engine=args.engine,

@@ -1,24 +1,29 @@
 """Image sizes: the deployment frame of a model that takes any height and width, the inputs at a
-frame, the check that the model runs at the engine profile's frame sizes, and the engine profile
-itself (the batch and frame ranges a TensorRT engine is built for)."""
+frame, and the engine profile chosen for them (:mod:`models.pipeline.profile` chooses it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from agent.errors import ConfigError, ModelError, first_line
+from agent.errors import ConfigError, InternalError
 from models.pipeline.options import EXAMPLE_FRAME, BuildOptions
 
 
 def frame_size(meta: dict[str, Any], options: BuildOptions) -> tuple[int, int] | None:
     """The deployment frame (height, width) of a model whose first input takes any size, else
-    None (see :attr:`BuildOptions.frame_size`): the given one, 224 x 224 for the example models,
-    or the calibration samples' size."""
+    None (see :attr:`BuildOptions.frame_size`): the given one (or the first input's
+    ``--profile-shape`` opt), 224 x 224 for the example models, or the calibration samples'
+    size."""
+    from models.onnx_model import spatial_axes
+
     calibrated = _calibrated_frame(meta)
     if not meta["dynamic_hw"] or calibrated is None:
         return None
+    given = next((shape for shape in options.profile_shapes
+                  if shape.name == meta["input_name"]), None)
+    axes = spatial_axes(meta["layouts"].get(meta["input_name"]))
+    if given is not None and axes is not None and len(given.opt) > max(axes):
+        return given.opt[axes[0]], given.opt[axes[1]]
     if options.frame_size is not None:
         return (int(options.frame_size[0]), int(options.frame_size[1]))
     if options.model is not None:
@@ -71,54 +76,10 @@ def _frame_inputs(meta: dict[str, Any], batch: int, frame: tuple[int | None, int
     return feeds
 
 
-def check_frame_sizes(float_bytes: bytes, meta: dict[str, Any], options: BuildOptions) -> None:
-    """Run the FP32 model once at the engine profile's frame sizes beyond the calibration size
-    (the optimum and the largest), so that a model that cannot take them (a network that needs
-    multiples of 64, or inputs that must match) is refused now, not after calibration or in the
-    board's engine build.
-
-    Raises:
-        ModelError: the model fails at one of the sizes (names it and ONNX Runtime's reason).
-    """
-    from models.ort import create_session
-
-    profile = _engine_profile(meta, options)
-    if "height" not in profile and "width" not in profile:
-        return
-    session = create_session(float_bytes, threads=options.threads, fold_relu=False)
-    rng = np.random.default_rng(0)
-    for role, index in (("optimum", 1), ("largest", 2)):
-        frame = (profile.get("height", [None] * 3)[index], profile.get("width", [None] * 3)[index])
-        feeds = _frame_inputs(meta, 1, frame)
-        try:
-            feed = {name: rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
-                    for name, (shape, dtype) in feeds.items()}
-            session.run(None, feed)
-        except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types
-            shapes = ", ".join(f"{name} {list(shape)}" for name, (shape, _) in feeds.items())
-            reason = first_line(exc)
-            if isinstance(exc, MemoryError) or "bad_alloc" in reason or "allocate" in reason:
-                raise ModelError(f"this host has not enough memory to run the model at the "
-                                 f"engine profile's {role} frame size ({shapes}); give a smaller "
-                                 "--frame-size (the largest is twice it)",
-                                 reason=reason) from None
-            raise ModelError(f"the model does not run at the engine profile's {role} frame size "
-                             f"({shapes}); give --frame-size with a size it accepts",
-                             reason=reason) from None
-
-
 def _engine_profile(meta: dict[str, Any], options: BuildOptions) -> dict[str, list[int]]:
-    """The shape ranges a TensorRT engine for this bundle is built for: batch from 1 to
-    ``max_batch`` tuned at ``opt_batch`` and, for models that take any image size, each dynamic
-    one of height and width from the smaller of the calibration and deployment sizes to the larger
-    of twice the deployment size and the calibration size, tuned at the deployment size
-    (:func:`frame_size`)."""
-    profile = {"batch": [1, options.opt_batch, options.max_batch]}
-    frame, calibrated_frame = frame_size(meta, options), _calibrated_frame(meta)
-    if frame is None or calibrated_frame is None:
-        return profile
-    for axis_name, deployed, calibrated in zip(("height", "width"), frame, calibrated_frame):
-        if axis_name in meta["dynamic_hw"]:
-            profile[axis_name] = [min(calibrated, deployed), deployed,
-                                  max(2 * deployed, calibrated)]
-    return profile
+    """The shape ranges a TensorRT engine for this bundle is built for (the manifest's
+    ``engine_profile``): chosen by :func:`models.pipeline.profile.choose_engine_profile` before
+    calibration, by running the model or from ``--profile-shape``."""
+    if "engine_profile" not in meta:
+        raise InternalError("the engine profile is used before it is chosen")
+    return meta["engine_profile"]

@@ -12,6 +12,7 @@ from typing import Any
 from agent.errors import ConfigError
 from models.calibration import DEFAULT_SAMPLES
 from models.manifest import MAX_NAME_LENGTH, MAX_VERSION
+from models.pipeline.profile_shape import ProfileShape, check_profile_options
 from pruning.config import Importance, PruneConfig, Scope
 
 
@@ -59,6 +60,9 @@ class BuildOptions:
     # profile's optimum and the host speed check's input. None: 224 x 224 for the example models
     # (trained at 32 x 32, measured at a camera-like size), the calibration samples' size otherwise.
     frame_size: tuple[int, int] | None = None
+    # The engine profile by hand (--profile-shape, one per input): it replaces the sizes found
+    # by running the model, and its batch range must be max_batch and opt_batch's.
+    profile_shapes: tuple[ProfileShape, ...] = ()
     # The first output's layout, to find its classes when judging agreement (4-D outputs only;
     # default: told by the graph, see models.onnx_model.output_layout).
     output_layout: str | None = None
@@ -119,6 +123,7 @@ class BuildOptions:
                 or not all(MIN_FRAME <= side <= MAX_FRAME for side in self.frame_size)):
             raise ConfigError(f"--frame-size must be a height and width from {MIN_FRAME} to "
                               f"{MAX_FRAME}", key="--frame-size", found=self.frame_size)
+        check_profile_options(self.profile_shapes, self.max_batch, self.opt_batch)
         if self.output_layout not in (None, "NCHW", "NHWC"):
             raise ConfigError("--output-layout must be NCHW or NHWC", key="--output-layout",
                               found=self.output_layout)

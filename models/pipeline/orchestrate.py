@@ -19,10 +19,11 @@ from agent.errors import KeyFileError
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
 from models.bundle import pack_bundle
 from models.calibration import CalibrationSet
-from models.pipeline.frames import _check_frame_option, _engine_profile, check_frame_sizes
+from models.pipeline.frames import _check_frame_option, _engine_profile
 from models.pipeline.keys import _remove_new_key, _signing_key, _write_new_key
 from models.pipeline.options import MIN_AGENT_VERSION, BuildOptions, BuildResult
 from models.pipeline.outdir import _bundle_path, _check_before_work, _prepare_out_dir
+from models.pipeline.profile import choose_engine_profile
 from models.pipeline.report import (_accuracy_report, _budget_reference, _json_default,
                                     _quantization_report, _speed_report)
 from models.pipeline.sources import _from_onnx, _from_torch
@@ -83,8 +84,9 @@ def _build(options: BuildOptions) -> BuildResult:
 
 def _load_model(options: BuildOptions, report: dict[str, Any], stages: _Stages
                 ) -> tuple[bytes, Evaluator, CalibrationSet, dict[str, Any]]:
-    """The FP32 ONNX model from the source the options name, checked at the engine profile's
-    frame sizes, with its evaluator, calibration set and ``meta``."""
+    """The FP32 ONNX model from the source the options name, with the engine profile chosen
+    (the sizes it takes, found by running it, or given), its evaluator, calibration set and
+    ``meta``."""
     if options.onnx is not None:
         float_bytes, evaluator, calibration, meta = stages.run(
             "load ONNX", _from_onnx, options, report)
@@ -92,7 +94,8 @@ def _load_model(options: BuildOptions, report: dict[str, Any], stages: _Stages
         float_bytes, evaluator, calibration, meta = stages.run(
             "prepare PyTorch model", _from_torch, options, report, stages)
     _check_frame_option(meta, options)
-    stages.run("check frame sizes", check_frame_sizes, float_bytes, meta, options)
+    report["engine_profile"] = stages.run("input sizes", choose_engine_profile, float_bytes,
+                                          meta, options, calibration.arrays)
     return float_bytes, evaluator, calibration, meta
 
 

@@ -164,6 +164,7 @@ def format_summary(result: BuildResult) -> str:
         before = sum(export["node_counts_before"].values())
         after = sum(export["node_counts_after"].values())
         lines.append(f"graph    {before} nodes exported -> {after} after BN folding and clean-up")
+    lines += _profile_lines(report.get("engine_profile"))
     speed = report["speed"]
     kernels = speed.get("int8_kernels", "default")
     kernels_note = "" if kernels == "default" else f"; INT8 kernels: {kernels}"
@@ -182,3 +183,16 @@ def format_summary(result: BuildResult) -> str:
 
     lines.append("time     " + ", ".join(timing(name) for name in timings if name not in nested))
     return "\n".join(lines)
+
+
+def _profile_lines(section: dict[str, Any] | None) -> list[str]:
+    """The engine profile's spans and how they were chosen, with what running the model found."""
+    if not section:
+        return []
+    spans = ", ".join(f"{axis} {'/'.join(map(str, span))}"
+                      for axis, span in section["profile"].items())
+    how = {"probed": f"found by running the model: {section.get('runs')} runs, "
+                     f"{section.get('seconds', 0.0):.1f}s",
+           "given": "given with --profile-shape"}.get(section["chosen"], section["chosen"])
+    return [f"profile  {spans} (min/opt/max; {how})",
+            *(f"  {line}" for line in section.get("found", []))]
