@@ -72,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
                            extra_args=tuple(args.build_args))
     results_path = options.work_dir / "results.json"
     options.work_dir.mkdir(parents=True, exist_ok=True)
+    results_path.unlink(missing_ok=True)  # a stale table from an earlier run would mislead
     try:
         results = run_suite(entries, options,
                             on_result=lambda done: write_results(results_path, done, options))
     except KeyboardInterrupt:
-        print(f"real_models: interrupted; results so far in {results_path}", file=sys.stderr)
+        saved = f"; results so far in {results_path}" if results_path.exists() else ""
+        print(f"real_models: interrupted{saved}", file=sys.stderr)
         return 130
     except AgentError as exc:
         print(f"real_models: error: {exc}", file=sys.stderr)

@@ -144,6 +144,10 @@ class _Progress:
         with self._lock:
             print(f"[{index}/{self._total}] {name}: {text}", file=self._stream, flush=True)
 
+    def note(self, text: str) -> None:
+        with self._lock:
+            print(text, file=self._stream, flush=True)
+
 
 def _error_line(log_text: str) -> str:
     """The line of a build's log that says why it failed: the CLI's ``edge-agent: error:``
@@ -271,6 +275,8 @@ def _run_model(index: int, entry: ModelEntry, prepared: tuple[Path, Path, Path],
     result.build_s = time.monotonic() - started
     if result.outcome == "timeout":
         result.error = f"no result within {options.timeout_s:.0f} s"
+    elif result.outcome == "interrupted":
+        result.error = "stopped by Ctrl-C"
     elif result.outcome != "ok":
         result.error = _error_line(result.log_path.read_text(errors="replace"))
     else:
@@ -321,26 +327,32 @@ def run_suite(entries: Sequence[ModelEntry], options: SuiteOptions,
 
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=max(1, options.jobs)) as pool:
-        pending: set[Future[ModelResult]] = {
-            pool.submit(_run_model, index, entry, prepared[entry.name], options, progress, stop)
+        running: dict[Future[ModelResult], ModelEntry] = {
+            pool.submit(_run_model, index, entry, prepared[entry.name], options, progress,
+                        stop): entry
             for index, entry in enumerate(entries, 1) if entry.name in prepared}
+
+        def collect(future: Future[ModelResult]) -> None:
+            entry = running.pop(future)
+            try:
+                results[entry.name] = future.result()
+            except Exception as exc:  # noqa: BLE001 - a crash of ours in one run stops no other
+                results[entry.name].outcome = "error"
+                results[entry.name].error = f"the suite failed: {first_line(exc)}"
+
         try:
-            while pending:
-                done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            while running:
+                done, _ = wait(list(running), timeout=0.5, return_when=FIRST_COMPLETED)
                 for future in done:
-                    finished = future.result()
-                    results[finished.entry.name] = finished
+                    collect(future)
                 if done and on_result is not None:
                     on_result(ordered())
         except KeyboardInterrupt:
             stop.set()
-            progress.say(0, "suite", "interrupted: stopping the running builds")
-            for future in pending:
-                try:
-                    finished = future.result()
-                except Exception:  # noqa: BLE001 - interrupted anyway; the others still count
-                    continue
-                results[finished.entry.name] = finished
+            progress.note("interrupted: stopping the running builds")
+            for future in list(running):
+                future.exception()  # waits for the build to stop
+                collect(future)
             if on_result is not None:
                 on_result(ordered())
             raise
