@@ -89,7 +89,7 @@ def check_frame_sizes(float_bytes: bytes, meta: dict[str, Any], options: BuildOp
     rng = np.random.default_rng(0)
     for role, index in (("optimum", 1), ("largest", 2)):
         frame = (profile.get("height", [None] * 3)[index], profile.get("width", [None] * 3)[index])
-        feeds = _frame_inputs(meta, 1, frame)
+        feeds = _frame_inputs(meta, meta.get("fixed_batch") or 1, frame)
         try:
             feed = {name: rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
                     for name, (shape, dtype) in feeds.items()}
@@ -112,8 +112,10 @@ def _engine_profile(meta: dict[str, Any], options: BuildOptions) -> dict[str, li
     ``max_batch`` tuned at ``opt_batch`` and, for models that take any image size, each dynamic
     one of height and width from the smaller of the calibration and deployment sizes to the larger
     of twice the deployment size and the calibration size, tuned at the deployment size
-    (:func:`frame_size`)."""
-    profile = {"batch": [1, options.opt_batch, options.max_batch]}
+    (:func:`frame_size`). A graph that runs at one batch size only (``meta["fixed_batch"]``)
+    gets just that one."""
+    fixed = meta.get("fixed_batch")
+    profile = {"batch": [fixed] * 3 if fixed else [1, options.opt_batch, options.max_batch]}
     frame, calibrated_frame = frame_size(meta, options), _calibrated_frame(meta)
     if frame is None or calibrated_frame is None:
         return profile
