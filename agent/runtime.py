@@ -36,6 +36,13 @@ def batch_policy(config: AgentConfig, artifacts: ModelArtifacts) -> BatchPolicy:
     """The batcher's settings: the configuration, capped by what the bundle was built for."""
     serving = config.serving
     max_batch = min(serving.max_batch_size, artifacts.max_batch)
+    if artifacts.fixed_batch is not None:
+        log.info("%s v%d runs at batch %d only (its graph bakes the batch in): smaller batches "
+                 "are padded to it, and no more than %d request rows run together",
+                 artifacts.name, artifacts.version, artifacts.fixed_batch, max_batch)
+    for name, axis in artifacts.output_batch_axes.items():
+        log.info("%s v%d: output %r carries the batch on axis %d; batches are cut into requests "
+                 "on that axis", artifacts.name, artifacts.version, name, axis)
     preferred = tuple(size for size in serving.preferred_batch_sizes if size <= max_batch)
     dropped = [size for size in serving.preferred_batch_sizes if size > max_batch]
     if dropped:

@@ -285,28 +285,46 @@ class CalibrationReader:
     largest divisor of the sample count up to ``batch_size``: ONNX Runtime's histogram collectors
     (entropy, percentile) stack the batches' activations with ``np.asarray`` and fail on a shorter
     last batch (1,000 samples in batches of 32 did).
+
+    A model whose graph runs at one batch size only (``fixed_batch``, see models.batch_axis) gets
+    batches of exactly that size, the last one filled up with samples from the start of the set:
+    repeated real samples weigh a little more in the ranges, where zeros would pull every range
+    towards zero.
     """
 
-    def __init__(self, data: CalibrationSet, batch_size: int = 32, progress: bool = True) -> None:
+    def __init__(self, data: CalibrationSet, batch_size: int = 32, progress: bool = True, *,
+                 fixed_batch: int | None = None) -> None:
         self._data = data
-        self._batch_size = even_batch_size(len(data), batch_size)
+        self._fixed_batch = fixed_batch
+        self._batch_size = fixed_batch or even_batch_size(len(data), batch_size)
         self._progress = progress
-        self._iterator: Iterator[dict[str, np.ndarray]] | None = None
+        self._iterator: Iterator[tuple[dict[str, np.ndarray], int]] | None = None
         self._bar = None
+
+    def _batches(self) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+        """Each batch with how many of its rows are new samples (not padding)."""
+        count = len(self._data)
+        for start in range(0, count, self._batch_size):
+            rows = min(self._batch_size, count - start)
+            if self._fixed_batch is None:
+                chosen: Any = slice(start, start + rows)
+            else:
+                chosen = np.arange(start, start + self._fixed_batch) % count
+            yield {name: array[chosen] for name, array in self._data.arrays.items()}, rows
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         if self._iterator is None:
-            self._iterator = self._data.batches(self._batch_size)
+            self._iterator = self._batches()
             if self._progress:
                 from tqdm import tqdm
 
                 self._bar = tqdm(total=len(self._data), desc="calibrating", unit="sample", leave=False)
-        batch = next(self._iterator, None)
+        batch, rows = next(self._iterator, (None, 0))
         if self._bar is not None:
             if batch is None:
                 self._bar.close()
             else:
-                self._bar.update(len(next(iter(batch.values()))))
+                self._bar.update(rows)
         return batch
 
     def rewind(self) -> None:

@@ -194,6 +194,7 @@ def validate_manifest(manifest: Mapping[str, Any]) -> None:
     _check_int(opt_batch, "opt_batch", minimum=1)
     if opt_batch > max_batch:
         raise invalid_field("opt_batch", f"an integer <= max_batch ({max_batch})", opt_batch)
+    _check_batch_fields(manifest, max_batch)
 
     _check_calibration(_required(manifest, "calibration", "an object or null"))
 
@@ -291,6 +292,31 @@ def _check_tensors(tensors: object, field: str) -> None:
         layout = tensor.get("layout")
         if layout is not None and not isinstance(layout, str):
             raise invalid_field(f"{where}.layout", "a string such as NCHW, or absent", layout)
+
+
+def _check_batch_fields(manifest: Mapping[str, Any], max_batch: int) -> None:
+    """The optional batch fields: ``fixed_batch``, the one batch size a model's graph runs at
+    (the daemon pads smaller batches to it; ``max_batch`` is that size), and
+    ``output_batch_axes``, output name to the axis that carries the batch where it is not 0."""
+    fixed = manifest.get("fixed_batch")
+    if fixed is not None:
+        _check_int(fixed, "fixed_batch", minimum=1)
+        if fixed != max_batch:
+            raise invalid_field("fixed_batch", f"max_batch ({max_batch}): a graph that runs at "
+                                "one batch size is served at that size", fixed)
+    axes = manifest.get("output_batch_axes")
+    if axes is None:
+        return
+    if not isinstance(axes, dict):
+        raise invalid_field("output_batch_axes", "an object of output name to axis", axes)
+    ranks = {tensor.get("name"): len(tensor.get("shape") or ())
+             for tensor in manifest.get("outputs") or () if isinstance(tensor, dict)}
+    for name, axis in axes.items():
+        where = f"output_batch_axes[{name!r}]"
+        if name not in ranks:
+            raise invalid_field(where, "the name of an output", name)
+        if not _is_int(axis) or not 0 <= axis < ranks[name]:
+            raise invalid_field(where, f"an axis from 0 to {ranks[name] - 1}", axis)
 
 
 def _check_precision(precision: object) -> None:

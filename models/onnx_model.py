@@ -83,35 +83,42 @@ def _spec(value_info: Any) -> TensorSpec:
     return TensorSpec(value_info.name, dtype, tuple(dims), tuple(names))
 
 
-# Ops of a model that is quantized already; the pipeline quantizes float models.
+# Ops of a model that is quantized already; the pipeline quantizes float models. ONNX Runtime's
+# contrib quantized ops (DynamicQuantizeLSTM, QGemm, QLinearAdd, ...) are matched by name.
 _QUANTIZED_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv",
                   "QLinearMatMul", "ConvInteger", "MatMulInteger"}
-MIN_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (an axis attribute) needs 13
+_STANDARD_DOMAINS = ("", "ai.onnx")
+
+
+def _is_quantized_op(op_type: str) -> bool:
+    return (op_type in _QUANTIZED_OPS or "Quantize" in op_type
+            or op_type.startswith(("QLinear", "QGemm", "QAttention")))
 
 
 def check_float_model(model: Any, path: Path | None = None) -> None:
     """Refuse, before any work, an ONNX model the build cannot quantize: one quantized already,
-    one below opset 13, inputs that are not floating point or lack a dynamic batch axis."""
+    one with operators outside the standard ONNX domain, or inputs that are not floating point.
+    An old opset is converted (models.onnx_upgrade) and the batch axis checked by running the
+    model (models.batch_axis), not refused here."""
     where = {"path": path} if path is not None else {}
-    quantized = sorted({node.op_type for node in model.graph.node} & _QUANTIZED_OPS)
+    quantized = sorted({node.op_type for node in model.graph.node if _is_quantized_op(node.op_type)})
     if quantized:
         raise ModelError("the ONNX model is quantized already; give the float model",
                          found=quantized, **where)
-    opset = max((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")),
-                default=0)
-    if opset < MIN_OPSET:
-        raise ModelError(f"the ONNX model's opset is too old for per-channel INT8; re-export it "
-                         f"with opset {MIN_OPSET} or newer", found=opset, **where)
+    foreign = next((node for node in model.graph.node if node.domain not in _STANDARD_DOMAINS),
+                   None)
+    if foreign is not None:
+        raise ModelError(
+            f"node {foreign.name!r} is a {foreign.domain} {foreign.op_type} operator, not a "
+            "standard ONNX one: the INT8 build and TensorRT take standard ONNX operators only "
+            "(a model saved by ONNX Runtime's graph optimizer carries its fused com.microsoft "
+            "operators); export the model again, without such operators",
+            node=foreign.name, op_type=foreign.op_type, domain=foreign.domain, **where)
     inputs, _ = io_specs(model)
     for spec in inputs:
         if not spec.dtype.startswith("float"):
             raise ModelError("the build calibrates floating-point inputs only", input=spec.name,
                              found=spec.dtype, **where)
-        if not spec.shape or spec.shape[0] != -1:
-            raise ModelError("the model's first input axis must be a dynamic batch axis (export "
-                             "with a dynamic batch dimension)", input=spec.name,
-                             found=list(spec.shape), **where)
-    check_batch_outputs(model, path)
 
 
 def check_batch_outputs(model: Any, path: Path | None = None) -> None:

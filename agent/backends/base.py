@@ -63,22 +63,25 @@ def datatype_of(dtype: np.dtype[Any] | str) -> str:
 class TensorInfo:
     """One model input or output as clients see it.
 
-    ``shape`` includes the batch axis first, as -1; other dynamic axes are -1 too. ``limits``,
-    when given, bounds one sample's shape (without the batch axis): ``(smallest, largest)``, as
-    an engine's optimization profile or a bundle's ``engine_profile`` does.
+    ``shape`` includes the batch axis, as -1: first for inputs and most outputs, elsewhere for
+    an output whose model puts it there (``batch_axis``: a ``[T, B, C]`` recognizer output has
+    it on axis 1); other dynamic axes are -1 too. ``limits``, when given, bounds one sample's
+    shape (without the batch axis): ``(smallest, largest)``, as an engine's optimization profile
+    or a bundle's ``engine_profile`` does.
     """
 
     name: str
     datatype: str
     shape: tuple[int, ...]
     limits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    batch_axis: int = 0
 
     def __post_init__(self) -> None:
         if self.datatype not in DATATYPES:
             raise ModelError("unsupported tensor datatype", tensor=self.name, found=self.datatype)
-        if not self.shape or self.shape[0] != -1:
-            raise ModelError("first axis must be the dynamic batch axis", tensor=self.name,
-                             found=list(self.shape))
+        if not 0 <= self.batch_axis < len(self.shape) or self.shape[self.batch_axis] != -1:
+            raise ModelError(f"axis {self.batch_axis} must be the dynamic batch axis",
+                             tensor=self.name, found=list(self.shape))
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -87,7 +90,14 @@ class TensorInfo:
     @property
     def sample_shape(self) -> tuple[int, ...]:
         """The shape of one sample (without the batch axis), -1 where dynamic."""
-        return self.shape[1:]
+        return self.shape[:self.batch_axis] + self.shape[self.batch_axis + 1:]
+
+    def batch_shape(self, rows: int, sample_shape: tuple[int, ...] | None = None
+                    ) -> tuple[int, ...]:
+        """The shape of ``rows`` samples of ``sample_shape`` (default: this tensor's), the rows
+        on the batch axis."""
+        sample = self.sample_shape if sample_shape is None else tuple(sample_shape)
+        return sample[:self.batch_axis] + (rows,) + sample[self.batch_axis:]
 
     def check_sample_shape(self, shape: tuple[int, ...]) -> None:
         """Raise InputError unless ``shape`` (one sample, no batch axis) fits this tensor."""
@@ -107,6 +117,13 @@ class TensorInfo:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+def batch_rows(array: np.ndarray, start: int, stop: int, axis: int = 0) -> np.ndarray:
+    """Rows ``start:stop`` of ``array`` on its batch axis ``axis`` (a view)."""
+    index: list[slice] = [slice(None)] * array.ndim
+    index[axis] = slice(start, stop)
+    return array[tuple(index)]
 
 
 def frame_shape(sample_shape: tuple[int, ...], height: int, width: int) -> tuple[int, ...] | None:
@@ -140,6 +157,20 @@ class ModelArtifacts:
     @property
     def opt_batch(self) -> int:
         return int(self.manifest.get("opt_batch", 1))
+
+    @property
+    def fixed_batch(self) -> int | None:
+        """The one batch size the model's graph runs at (the manifest's ``fixed_batch``), None
+        when it takes any: backends pad smaller batches to it."""
+        value = self.manifest.get("fixed_batch")
+        return None if value is None else int(value)
+
+    @property
+    def output_batch_axes(self) -> dict[str, int]:
+        """Output name to the axis that carries the batch, for outputs where it is not axis 0
+        (the manifest's ``output_batch_axes``)."""
+        axes = self.manifest.get("output_batch_axes") or {}
+        return {str(name): int(axis) for name, axis in axes.items()}
 
     def prebuilt_engines(self) -> dict[str, Path]:
         """Plans shipped in the bundle, keyed by device fingerprint."""
@@ -260,7 +291,30 @@ class Backend(ABC):
 
     @property
     def max_batch_size(self) -> int:
-        return self.options.max_batch_size
+        fixed = self.artifacts.fixed_batch
+        return self.options.max_batch_size if fixed is None else min(self.options.max_batch_size,
+                                                                      fixed)
+
+    @property
+    def output_batch_axes(self) -> dict[str, int]:
+        """Output name to its batch axis (0 where not listed): a batch's outputs are cut into
+        requests on it."""
+        return self.artifacts.output_batch_axes
+
+    def padded_batch(self, batch_size: int) -> int:
+        """The rows a batch of ``batch_size`` samples runs with: the bundle's fixed batch when
+        it has one (the rows past ``batch_size`` are padding: computed, then dropped by
+        :meth:`real_rows`), else ``batch_size``."""
+        return self.artifacts.fixed_batch or batch_size
+
+    def real_rows(self, outputs: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
+        """``outputs`` of a padded batch cut to its first ``batch_size`` rows (views), each on
+        its own batch axis."""
+        if self.padded_batch(batch_size) == batch_size:
+            return outputs
+        axes = self.output_batch_axes
+        return {name: batch_rows(value, 0, batch_size, axes.get(name, 0))
+                for name, value in outputs.items()}
 
     def describe(self) -> dict[str, Any]:
         """Facts for logs and the model config endpoint (provider, device, precision...)."""

@@ -47,15 +47,21 @@ _ORT_TYPES = {
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 
 
-def _tensor_info(node: Any) -> TensorInfo:
+def _tensor_info(node: Any, *, batch_axis: int = 0, fixed_batch: int | None = None) -> TensorInfo:
+    """A session input's or output's description, its batch on ``batch_axis``: dynamic, or the
+    bundle's ``fixed_batch`` (a graph that runs at that batch only; clients see it as dynamic,
+    and smaller batches are padded)."""
     dtype = _ORT_TYPES.get(node.type)
     if dtype is None:
         raise ModelError("unsupported tensor element type", tensor=node.name, found=node.type)
-    shape = tuple(dim if isinstance(dim, int) and dim > 0 else -1 for dim in node.shape)
-    if not shape or shape[0] != -1:
-        raise ModelError("the model needs a dynamic batch axis first", tensor=node.name,
-                         found=list(node.shape))
-    return TensorInfo(node.name, datatype_of(np.dtype(dtype)), shape)
+    shape = [dim if isinstance(dim, int) and dim > 0 else -1 for dim in node.shape]
+    if fixed_batch is not None and batch_axis < len(shape) and shape[batch_axis] == fixed_batch:
+        shape[batch_axis] = -1
+    if batch_axis >= len(shape) or shape[batch_axis] != -1:
+        raise ModelError(f"the model needs a dynamic batch axis (axis {batch_axis}), or the "
+                         "bundle's fixed_batch", tensor=node.name, found=list(node.shape),
+                         fixed_batch=fixed_batch)
+    return TensorInfo(node.name, datatype_of(np.dtype(dtype)), tuple(shape), batch_axis=batch_axis)
 
 
 def _with_profile_limits(info: TensorInfo, manifest: Mapping[str, Any]) -> TensorInfo:
@@ -155,19 +161,24 @@ class OnnxRuntimeBackend(Backend):
                                      spin=bool(self.options.extra.get("allow_spinning", False)))
         except Exception as exc:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
             raise ModelError(f"ONNX Runtime cannot load the model: {exc}", path=path) from exc
+        fixed, axes = self.artifacts.fixed_batch, self.artifacts.output_batch_axes
         try:
-            self._inputs = tuple(_with_profile_limits(_tensor_info(node), self.artifacts.manifest)
+            self._inputs = tuple(_with_profile_limits(_tensor_info(node, fixed_batch=fixed),
+                                                      self.artifacts.manifest)
                                  for node in session.get_inputs())
-            self._outputs = tuple(_tensor_info(node) for node in session.get_outputs())
+            self._outputs = tuple(_tensor_info(node, batch_axis=axes.get(node.name, 0),
+                                               fixed_batch=fixed)
+                                  for node in session.get_outputs())
         except ModelError as exc:
             raise ModelError(exc.message, path=path, **exc.fields) from None
         self._session = session
         self._bindings = [session.io_binding() for _ in range(self.options.buffer_sets)]
         self._buffers = [_BufferSet() for _ in range(self.options.buffer_sets)]
         self._active = True
-        log.info("onnxruntime backend active: %s v%d on %s, %d thread(s), INT8 kernels: %s",
+        log.info("onnxruntime backend active: %s v%d on %s, %d thread(s), INT8 kernels: %s%s",
                  self.artifacts.name, self.artifacts.version, ",".join(self._providers),
-                 self.options.threads, int8_kernels())
+                 self.options.threads, int8_kernels(),
+                 f", batch {fixed} only (smaller batches padded)" if fixed else "")
 
     def deactivate(self) -> None:
         self._active = False
@@ -199,11 +210,12 @@ class OnnxRuntimeBackend(Backend):
         self.check_stage_request(batch_size, sample_shapes)
         slot = self._slots.acquire()
         buffers = self._buffers[slot]
-        inputs = {
-            info.name: buffers.view(info.name, info.dtype,
-                                    (batch_size, *sample_shapes[info.name]))
-            for info in self._inputs
-        }
+        rows = self.padded_batch(batch_size)
+        inputs = {}
+        for info in self._inputs:
+            padded = buffers.view(info.name, info.dtype, (rows, *sample_shapes[info.name]))
+            padded[batch_size:] = 0  # padding rows of a fixed batch: computed, then dropped
+            inputs[info.name] = padded[:batch_size]
         with self._lock:
             self._staged[slot] = batch_size
         return StagedBatch(batch_size, inputs, slot, self._release)
@@ -221,26 +233,26 @@ class OnnxRuntimeBackend(Backend):
             raise InternalError("run() on a batch that is not staged on this backend")
         binding = self._bindings[batch.slot]
         buffers = self._buffers[batch.slot]
+        rows = self.padded_batch(batch.batch_size)
         for info in self._inputs:
-            array = batch.inputs[info.name]
-            binding.bind_input(info.name, "cpu", 0, array.dtype, list(array.shape),
+            array = batch.inputs[info.name]  # the first rows of a buffer of ``rows`` rows
+            binding.bind_input(info.name, "cpu", 0, array.dtype, [rows, *array.shape[1:]],
                                array.ctypes.data)
         preallocated: dict[str, np.ndarray] = {}
         for info in self._outputs:
             if -1 in info.sample_shape:
                 binding.bind_output(info.name, "cpu")  # ORT allocates: shape known only after run
             else:
-                out = buffers.view("out:" + info.name, info.dtype,
-                                   (batch.batch_size, *info.sample_shape))
+                out = buffers.view("out:" + info.name, info.dtype, info.batch_shape(rows))
                 binding.bind_output(info.name, "cpu", 0, out.dtype, list(out.shape),
                                     out.ctypes.data)
                 preallocated[info.name] = out
         self._session.run_with_iobinding(binding)
         if len(preallocated) == len(self._outputs):
-            return preallocated
+            return self.real_rows(preallocated, batch.batch_size)
         produced = binding.get_outputs()
         results: dict[str, np.ndarray] = {}
         for info, value in zip(self._outputs, produced):
             mine = preallocated.get(info.name)
             results[info.name] = value.numpy() if mine is None else mine
-        return results
+        return self.real_rows(results, batch.batch_size)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.backends.base import Backend
+from agent.backends.base import Backend, batch_rows
 from agent.batcher.policy import InferenceResult
 from agent.errors import InputError
 from agent.scattered import DeferredArray, copy_rows
@@ -100,10 +100,12 @@ def run_and_split(backend: Backend, staged: Any, batch: list[Request]) -> Ran:
     outputs = backend.run(staged)
     ran = time.monotonic()
     results: list[dict[str, np.ndarray]] = []
+    axes = backend.output_batch_axes  # where an output carries the batch on another axis than 0
     row = 0
     for request in batch:
         rows = request.batch_size
-        results.append({name: np.array(value[row:row + rows], copy=True)
+        results.append({name: np.array(batch_rows(value, row, row + rows, axes.get(name, 0)),
+                                       copy=True)
                         for name, value in outputs.items()})
         row += rows
     return Ran(results, started, ran - started, time.monotonic() - ran)

@@ -247,7 +247,12 @@ def format_summary(
         lines.append(f"  fp32 fallback: {', '.join(map(str, fp32_layers))}")
     opt_batch = manifest.get("opt_batch", "?")
     max_batch = manifest.get("max_batch", "?")
-    lines.append(f"batch: opt {opt_batch}, max {max_batch}")
+    fixed = manifest.get("fixed_batch")
+    lines.append(f"batch: opt {opt_batch}, max {max_batch}"
+                 + (f" (fixed: the graph runs at batch {fixed} only)" if fixed is not None else ""))
+    axes = manifest.get("output_batch_axes")
+    if isinstance(axes, Mapping) and axes:
+        lines.append("  batch axis: " + ", ".join(f"{name} {axis}" for name, axis in axes.items()))
 
     calibration = manifest.get("calibration")
     if isinstance(calibration, Mapping):

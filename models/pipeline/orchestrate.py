@@ -19,6 +19,7 @@ from agent.errors import KeyFileError
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
 from models.bundle import pack_bundle
 from models.calibration import CalibrationSet
+from models.pipeline.batching import bundle_batches
 from models.pipeline.frames import _check_frame_option, _engine_profile
 from models.pipeline.keys import _remove_new_key, _signing_key, _write_new_key
 from models.pipeline.options import MIN_AGENT_VERSION, BuildOptions, BuildResult
@@ -111,7 +112,8 @@ def _quantize(float_bytes: bytes, evaluator: Evaluator, calibration: Calibration
         calibration,
         evaluator,
         QuantizeConfig(method=options.calib_method, accuracy_budget=options.accuracy_budget,
-                       reference_metric=_budget_reference(meta), progress=options.progress),
+                       reference_metric=_budget_reference(meta), progress=options.progress,
+                       fixed_batch=meta.get("fixed_batch")),
         work / "quantize",
     )
     report["quantization"] = _quantization_report(quantized, options)
@@ -168,8 +170,7 @@ def _manifest(name: str, version: int, quantized: QuantizeResult, engines: dict[
         "outputs": [spec.to_manifest() for spec in outputs],
         "preprocessing": meta.get("preprocessing"),
         "precision": quantized.precision_plan(),
-        "max_batch": options.max_batch,
-        "opt_batch": options.opt_batch,
+        **bundle_batches(meta, options),
         "engine_profile": _engine_profile(meta, options),
         "calibration": quantized.calibration,
         "accuracy": accuracy,

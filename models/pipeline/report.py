@@ -80,7 +80,7 @@ def _accuracy_report(result: QuantizeResult, meta: dict[str, Any],
 def _speed_report(float_bytes: bytes, int8_bytes: bytes, meta: dict[str, Any],
                   options: BuildOptions) -> dict[str, Any]:
     frame = frame_size(meta, options)
-    feeds = _frame_inputs(meta, options.opt_batch, frame)
+    feeds = _frame_inputs(meta, meta.get("fixed_batch") or options.opt_batch, frame)
     fp32 = _speed(float_bytes, feeds, options.threads)
     int8 = _speed(int8_bytes, feeds, options.threads)
     return {

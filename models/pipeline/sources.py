@@ -10,6 +10,7 @@ from typing import Any
 
 from agent.errors import ConfigError, PruningError
 from models.calibration import CalibrationSet, from_array, from_directory
+from models.pipeline.batching import note_batch
 from models.pipeline.options import CHECK_SAMPLES, EXAMPLE_FRAME, BuildOptions
 from models.pipeline.report import _export_report
 from models.pipeline.stages import _Stages
@@ -66,6 +67,9 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
         "pruned_torch_metric": pruned_top1,
         "preprocessing": digits_preprocessing(spec.train_size).to_dict(),
         **_input_meta(exported.model_bytes, calibration),
+        # Exported with a dynamic batch, on axis 0 of every output (models.export checks it).
+        "fixed_batch": None,
+        "output_batch_axes": {},
     }
     return exported.model_bytes, evaluator, calibration, meta
 
@@ -162,15 +166,21 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
         "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
         "preprocessing": calibration.preprocessing,
         **_input_meta(exported_model, calibration),
+        # Exported with a dynamic batch, on axis 0 of every output (models.export checks it).
+        "fixed_batch": None,
+        "output_batch_axes": {},
     }
     return exported.model_bytes, evaluator, calibration, meta
 
 
 def _agreement_evaluator(model: Any, float_bytes: bytes, calibration: CalibrationSet,
-                         options: BuildOptions) -> Evaluator:
+                         options: BuildOptions, *, fixed_batch: int | None = None,
+                         batch_axes: dict[str, int] | None = None) -> Evaluator:
     """Without labels, INT8 is judged by agreement with the FP32 model (``model``, parsed, and
     ``float_bytes``) on the calibration set; for a 4-D first output, the classes are on the axis
-    its layout (``--output-layout``, else :func:`models.onnx_model.output_layout`) says."""
+    its layout (``--output-layout``, else :func:`models.onnx_model.output_layout`) says.
+    ``fixed_batch`` and ``batch_axes``: how the model takes and returns batches
+    (models.batch_axis; outputs are judged batch first)."""
     from models.onnx_model import image_layout, io_specs, output_layout
 
     inputs, outputs = io_specs(model)
@@ -181,17 +191,24 @@ def _agreement_evaluator(model: Any, float_bytes: bytes, calibration: Calibratio
                           found=list(outputs[0].shape))
     if layout is None:
         layout = output_layout(model, outputs[0], image_layout(model, inputs[0]))
-    reference = model_outputs(float_bytes, calibration.arrays, threads=options.threads)
+    reference = model_outputs(float_bytes, calibration.arrays, threads=options.threads,
+                              fixed_batch=fixed_batch, batch_axes=batch_axes)
     evaluator = Evaluator(calibration.arrays, threads=options.threads, reference=reference,
-                          class_axis=3 if layout == "NHWC" else 1)
+                          class_axis=3 if layout == "NHWC" else 1, fixed_batch=fixed_batch,
+                          batch_axes=batch_axes)
     log.info("INT8 is judged by %s%s", evaluator.metric_description,
              f" ({outputs[0].name!r} read as {layout})" if layout else "")
     return evaluator
 
 
 def _from_onnx(options: BuildOptions, report: dict[str, Any]):
+    """A user's ONNX model: checked, converted to a newer opset when it is below 13 (and checked
+    against the original), its batch axis made dynamic where the graph allows it, cleaned, and
+    every output's batch axis found by running it (models.onnx_upgrade, models.batch_axis)."""
+    from models.batch_axis import check_batch, make_batch_dynamic
     from models.export import clean_onnx, node_counts
     from models.onnx_model import check_float_model, io_specs, load_onnx
+    from models.onnx_upgrade import upgrade_opset
 
     onnx_path, calib_dir = options.onnx, options.calib_dir
     assert onnx_path is not None and calib_dir is not None  # BuildOptions requires both
@@ -200,18 +217,28 @@ def _from_onnx(options: BuildOptions, report: dict[str, Any]):
     inputs, _ = io_specs(raw)
     calibration = from_directory(calib_dir, inputs, options.calib_samples,
                                  preprocessing=options.calib_preprocess)
-    cleaned = clean_onnx(raw)
+    samples = calibration.arrays
+    upgraded, conversion = upgrade_opset(raw, samples, threads=options.threads)
+    if conversion is not None:
+        report["conversion"] = conversion
+    model, trial = make_batch_dynamic(upgraded, samples, threads=options.threads)
+    cleaned = clean_onnx(model)
+    float_bytes = cleaned.SerializeToString()
+    batch = check_batch(float_bytes, samples, trial, threads=options.threads)
+    note_batch(batch, options, report)
     report["export"] = {
         "node_counts_before": node_counts(raw),
         "node_counts_after": node_counts(cleaned),
     }
-    float_bytes = cleaned.SerializeToString()
-    evaluator = _agreement_evaluator(cleaned, float_bytes, calibration, options)
+    evaluator = _agreement_evaluator(cleaned, float_bytes, calibration, options,
+                                     fixed_batch=batch.fixed, batch_axes=batch.output_axes)
     meta = {
         "source": {"kind": "onnx", "path": str(options.onnx)},
         "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
         "preprocessing": calibration.preprocessing,
         **_input_meta(raw, calibration),
+        "fixed_batch": batch.fixed,
+        "output_batch_axes": dict(batch.output_axes),
     }
     return float_bytes, evaluator, calibration, meta
 

@@ -122,6 +122,8 @@ class Evaluator:
         labels: Integer labels; ``None`` means "no labels": outputs are compared with
             ``reference`` (the FP32 model's outputs) as ``judgement`` says (by default the one
             :meth:`Judgement.of` picks, with classes on ``class_axis``).
+        fixed_batch, batch_axes: How the model takes and returns batches, passed to
+            :func:`all_model_outputs` (outputs are always compared batch first).
     """
 
     def __init__(
@@ -134,6 +136,8 @@ class Evaluator:
         *,
         class_axis: int = 1,
         judgement: Judgement | None = None,
+        fixed_batch: int | None = None,
+        batch_axes: dict[str, int] | None = None,
     ) -> None:
         if labels is None and reference is None:
             raise InternalError("an evaluator needs labels or reference outputs")
@@ -143,6 +147,8 @@ class Evaluator:
         self.batch_size = batch_size
         self.threads = threads
         self.judgement = judgement
+        self.fixed_batch = fixed_batch
+        self.batch_axes = batch_axes
         if labels is None and judgement is None:
             assert reference is not None  # checked above
             self.judgement = Judgement.of(reference, class_axis)
@@ -167,7 +173,8 @@ class Evaluator:
         """First output of the model for every sample (``fold_relu``: as ONNX Runtime serves it,
         see :func:`model_outputs`)."""
         return model_outputs(model_bytes, self.inputs, self.batch_size, fold_relu=fold_relu,
-                             threads=self.threads)
+                             threads=self.threads, fixed_batch=self.fixed_batch,
+                             batch_axes=self.batch_axes)
 
     @property
     def dense(self) -> bool:
@@ -217,8 +224,10 @@ class Evaluator:
 
 
 def model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_size: int = 128, *,
-                  fold_relu: bool = False, threads: int = 2) -> np.ndarray:
-    """The model's first output for every sample of ``inputs``, run in batches.
+                  fold_relu: bool = False, threads: int = 2, fixed_batch: int | None = None,
+                  batch_axes: dict[str, int] | None = None) -> np.ndarray:
+    """The model's first output for every sample of ``inputs``, run in batches (batch first;
+    ``fixed_batch`` and ``batch_axes`` as for :func:`all_model_outputs`).
 
     Accuracy is judged on the QDQ model exactly as the bundle carries it (and TensorRT runs it),
     so ONNX Runtime's ReLU folding is off by default: that speed rewrite for the CPU quantizes
@@ -227,24 +236,42 @@ def model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_size:
     daemon's ONNX Runtime backend serves them.
     """
     outputs = all_model_outputs(model_bytes, inputs, batch_size, fold_relu=fold_relu,
-                                threads=threads, first_only=True)
+                                threads=threads, first_only=True, fixed_batch=fixed_batch,
+                                batch_axes=batch_axes)
     return next(iter(outputs.values()))
 
 
 def all_model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_size: int = 128,
-                      *, fold_relu: bool = False, threads: int = 2,
-                      first_only: bool = False) -> dict[str, np.ndarray]:
-    """Every output of the model by name (in the graph's order) for every sample of ``inputs``."""
+                      *, fold_relu: bool = False, threads: int = 2, first_only: bool = False,
+                      fixed_batch: int | None = None, batch_axes: dict[str, int] | None = None
+                      ) -> dict[str, np.ndarray]:
+    """Every output of the model by name (in the graph's order) for every sample of ``inputs``,
+    each with the batch on axis 0.
+
+    Args:
+        fixed_batch: The one batch size the model's graph runs at (see models.batch_axis), or
+            None for any: samples then run in chunks of exactly that many rows, the last chunk
+            padded with copies of its last sample, and the padding rows' outputs dropped.
+        batch_axes: Output name to the axis that follows the input batch (default 0, for names
+            not given): results are cut and joined on it, and returned with it moved to axis 0
+            (a ``[T, B, C]`` output comes back as ``[B, T, C]``).
+    """
     session = create_session(model_bytes, fold_relu=fold_relu, threads=threads)
     names = [output.name for output in session.get_outputs()]
     if first_only:
         names = names[:1]
+    axes = batch_axes or {}
     count = next(iter(inputs.values())).shape[0]
+    chunk = fixed_batch or batch_size
     parts: list[list[np.ndarray]] = [[] for _ in names]
-    for start in range(0, count, batch_size):
-        feed = {name: array[start : start + batch_size] for name, array in inputs.items()}
-        for part, value in zip(parts, session.run(names, feed)):
-            part.append(value)
+    for start in range(0, count, chunk):
+        feed = {name: array[start : start + chunk] for name, array in inputs.items()}
+        rows = min(chunk, count - start)
+        if fixed_batch is not None and rows < fixed_batch:
+            padding = np.full(fixed_batch - rows, rows - 1)
+            feed = {name: np.concatenate([array, array[padding]]) for name, array in feed.items()}
+        for part, name, value in zip(parts, names, session.run(names, feed)):
+            part.append(np.moveaxis(value, axes.get(name, 0), 0)[:rows])
     return {name: np.concatenate(part, axis=0) for name, part in zip(names, parts)}
 
 
@@ -259,14 +286,18 @@ def warn_about_unjudged_outputs(outputs: Sequence[OutputFidelity]) -> None:
 
 
 def output_fidelity(float_model: bytes, int8_model: bytes, inputs: dict[str, np.ndarray],
-                    threads: int = 2) -> list[OutputFidelity]:
-    """SQNR and cosine of every output of ``int8_model`` against ``float_model`` on ``inputs``.
+                    threads: int = 2, *, fixed_batch: int | None = None,
+                    batch_axes: dict[str, int] | None = None) -> list[OutputFidelity]:
+    """SQNR and cosine of every output of ``int8_model`` against ``float_model`` on ``inputs``
+    (``fixed_batch``, ``batch_axes``: see :func:`all_model_outputs`).
 
     The accuracy budget scores the first output only; for a model with several (boxes and
     scores, logits and embeddings) this is what shows whether the others survived INT8.
     """
-    reference = all_model_outputs(float_model, inputs, threads=threads)
-    quantized = all_model_outputs(int8_model, inputs, threads=threads)
+    reference = all_model_outputs(float_model, inputs, threads=threads, fixed_batch=fixed_batch,
+                                  batch_axes=batch_axes)
+    quantized = all_model_outputs(int8_model, inputs, threads=threads, fixed_batch=fixed_batch,
+                                  batch_axes=batch_axes)
     return [
         OutputFidelity(name, sqnr_db(want, quantized[name]), cosine_similarity(want, quantized[name]),
                        judged=index == 0)

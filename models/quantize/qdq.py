@@ -148,7 +148,8 @@ class QdqQuantizer:
             "num_quantized_bins": 128,
             "percentile": self.config.percentile,
         }
-        reader = CalibrationReader(self.calibration, self.config.batch_size, self.config.progress)
+        reader = CalibrationReader(self.calibration, self.config.batch_size, self.config.progress,
+                                   fixed_batch=self.config.fixed_batch)
         started = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # ORT prints its progress to stdout
             calibrator = create_calibrator(

@@ -48,6 +48,9 @@ class QuantizeConfig:
     # budget. None: the float model being quantized.
     reference_metric: float | None = None
     batch_size: int = 32
+    # The one batch size the model's graph runs at (models.batch_axis), None for any: the
+    # calibration then feeds chunks of exactly that many samples.
+    fixed_batch: int | None = None
     sensitivity_samples: int = 256
     progress: bool = True
 
@@ -228,7 +231,8 @@ def quantize_model(
     )
     timings["search_s"] = time.perf_counter() - search_started
     outputs = output_fidelity(float_model, model_bytes, sensitivity_evaluator.inputs,
-                              threads=evaluator.threads)
+                              threads=evaluator.threads, fixed_batch=evaluator.fixed_batch,
+                              batch_axes=evaluator.batch_axes)
     warn_about_unjudged_outputs(outputs)
     timings["total_s"] = time.perf_counter() - started
     if fp16_layers and len(fp16_layers) == len(quantizer.candidates):
@@ -294,4 +298,5 @@ def _subset(evaluator: Evaluator, samples: int) -> Evaluator:
     labels = evaluator.labels[:samples] if evaluator.labels is not None else None
     reference = evaluator.reference[:samples] if evaluator.reference is not None else None
     return Evaluator(inputs, labels, reference, evaluator.batch_size, evaluator.threads,
-                     judgement=evaluator.judgement)
+                     judgement=evaluator.judgement, fixed_batch=evaluator.fixed_batch,
+                     batch_axes=evaluator.batch_axes)

@@ -31,6 +31,7 @@ from agent.backends.base import (
     ModelArtifacts,
     StagedBatch,
     TensorInfo,
+    batch_rows,
     datatype_of,
 )
 from agent.backends.cuda_buffers import (
@@ -66,6 +67,13 @@ _NUMPY_DTYPES = {
 
 def require_tensorrt() -> ModuleType:
     return deps.require_tensorrt(_PURPOSE)
+
+
+def _output_info(name: str, datatype: str, shape: tuple[int, ...], batch_axis: int) -> TensorInfo:
+    """An engine output as clients see it: its batch axis dynamic."""
+    dims = list(shape)
+    dims[batch_axis] = -1
+    return TensorInfo(name, datatype, tuple(dims), batch_axis=batch_axis)
 
 
 def _dims(dims: trt.Dims) -> tuple[int, ...]:
@@ -225,6 +233,7 @@ class TensorRTBackend(Backend):
         output_names = [name for name in names if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT]
         dtypes: dict[str, np.dtype[Any]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
+        fixed, axes = self.artifacts.fixed_batch, self.artifacts.output_batch_axes
         for name in input_names + output_names:
             type_name = engine.get_tensor_dtype(name).name
             if type_name not in _NUMPY_DTYPES:
@@ -232,18 +241,26 @@ class TensorRTBackend(Backend):
                                   found=type_name, supported=sorted(_NUMPY_DTYPES))
             dtypes[name] = np.dtype(_NUMPY_DTYPES[type_name])
             shapes[name] = _dims(engine.get_tensor_shape(name))
-            if not shapes[name] or shapes[name][0] != -1:
-                raise EngineError("the engine needs a dynamic batch axis first", tensor=name,
-                                  found=list(shapes[name]))
+            axis = axes.get(name, 0)
+            # A graph that runs at one batch size (the manifest's fixed_batch) may have it
+            # static: clients see the axis as dynamic, and smaller batches are padded.
+            if not axis < len(shapes[name]) or shapes[name][axis] not in (-1, fixed):
+                raise EngineError(f"the engine needs a dynamic batch axis (axis {axis}), or the "
+                                  "bundle's fixed_batch", tensor=name, found=list(shapes[name]),
+                                  fixed_batch=fixed)
         profile: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         for name in input_names:
             low, _, high = (_dims(dims) for dims in engine.get_tensor_profile_shape(name, 0))
             profile[name] = (low, high)
         self._profile = profile
         self._max_batch = min([self.options.max_batch_size] + [high[0] for _, high in profile.values()])
-        # A static batch axis (every input's profile min and max the same batch): a DLA engine.
+        # A static batch axis (every input's profile min and max the same batch): a DLA engine,
+        # or a graph that runs at one batch size only (the manifest's fixed_batch).
         batch_bounds = {bound[0] for low, high in profile.values() for bound in (low, high)}
         self._padded_batch = batch_bounds.pop() if len(batch_bounds) == 1 else None
+        if fixed is not None and self._padded_batch != fixed:
+            raise EngineError("the engine's batch range is not the bundle's fixed batch",
+                              fixed_batch=fixed, found=sorted(batch_bounds))
         if self._padded_batch is not None:
             log.info("the engine takes batch %d only: smaller batches are padded to it",
                      self._padded_batch)
@@ -261,7 +278,8 @@ class TensorRTBackend(Backend):
         self._inputs = tuple(TensorInfo(name, datatype_of(dtypes[name]), (-1, *shapes[name][1:]),
                                         (profile[name][0][1:], profile[name][1][1:]))
                              for name in input_names)
-        self._outputs = tuple(TensorInfo(name, datatype_of(dtypes[name]), (-1, *shapes[name][1:]))
+        self._outputs = tuple(_output_info(name, datatype_of(dtypes[name]), shapes[name],
+                                           axes.get(name, 0))
                               for name in output_names)
         return [TensorSpec(name, dtypes[name], largest[name], is_input=name in profile)
                 for name in input_names + output_names]
@@ -361,5 +379,7 @@ class TensorRTBackend(Backend):
                 pool.to_host(batch.slot, output_shapes, stream)
                 stream.synchronize()
             if self._padded_batch is not None:
-                return {name: array[:batch.batch_size] for name, array in outputs.items()}
+                axes = self.output_batch_axes
+                return {name: batch_rows(array, 0, batch.batch_size, axes.get(name, 0))
+                        for name, array in outputs.items()}
             return outputs
