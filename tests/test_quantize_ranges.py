@@ -101,8 +101,9 @@ def test_entropy_ranges_are_onnx_runtimes_up_to_its_rounding(tmp_path, monkeypat
     calibrator, expected = _ort_calibrator(model, _samples(), "entropy", tmp_path, bins=512)
     samples = _samples()
     with ranges._Samples(model, samples, 8, passes=2, progress=False) as batches:
+        session = ranges._session(ranges._with_outputs(model, tensors))
         extremes = ranges._extremes(model, tensors, batches, absolute=False)
-        histograms = ranges._histograms(model, tensors, batches, extremes, absolute=False)
+        histograms = ranges._histograms(session, tensors, batches, extremes, absolute=False)
     found = _floats(ranges.collect_ranges(model, tensors, samples, method="entropy", batch_size=8))
     for name in tensors:
         theirs = calibrator.collector.histogram_dict[name]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -83,18 +83,20 @@ def collect_ranges(
     Args:
         model: The float model (shape inferred), not modified.
         tensors: The tensors to calibrate (:func:`calibration_tensors`).
-        batch_size: The largest batch to run (the model's own where its input fixes one); the
-            histogram pass runs smaller ones when a batch's tensors would not fit in
-            :data:`BATCH_BYTES`.
+        batch_size: The largest batch to run; smaller when a batch's tensors would not fit in
+            :data:`BATCH_BYTES`, and the model's own where its input fixes one.
     """
     histogram = method != "minmax"
     samples = _Samples(model, calibration, batch_size, passes=2 if histogram else 1,
                        progress=progress)
     with samples:
+        tensor_session = _session(_with_outputs(model, tensors))
+        samples.fit(tensor_session, list(tensors))
         extremes = _extremes(model, tensors, samples, absolute=method == "percentile")
         if not histogram:
             return {name: _symmetric(low, high) for name, (low, high, _) in extremes.items()}
-        histograms = _histograms(model, tensors, samples, extremes, absolute=method == "percentile")
+        histograms = _histograms(tensor_session, tensors, samples, extremes,
+                                 absolute=method == "percentile")
     if method == "percentile":
         return {name: percentile_range(*histograms[name], *extremes[name][:2], percentile)
                 for name in tensors}
@@ -107,13 +109,14 @@ def _symmetric(lowest: np.ndarray, highest: np.ndarray) -> tuple[np.ndarray, np.
 
 
 class _Samples(contextlib.AbstractContextManager["_Samples"]):
-    """The calibration samples in batches, for one or two passes, with one progress bar."""
+    """The calibration samples in batches of :attr:`step`, for one or two passes, with one
+    progress bar."""
 
     def __init__(self, model: Any, calibration: CalibrationSet, batch_size: int, *, passes: int,
                  progress: bool) -> None:
         self.calibration = calibration
-        self.batch_size = max(1, batch_size)
         self.fixed_batch = _fixed_batch(model)
+        self.step = self.fixed_batch or max(1, batch_size)
         self.count = len(calibration)
         if self.fixed_batch is not None and self.count % self.fixed_batch:
             self.count -= self.count % self.fixed_batch
@@ -133,13 +136,22 @@ class _Samples(contextlib.AbstractContextManager["_Samples"]):
         if self._bar is not None:
             self._bar.close()
 
-    def batch(self, start: int, size: int) -> dict[str, np.ndarray]:
+    def fit(self, session: Any, tensors: list[str]) -> None:
+        """Make :attr:`step` small enough for a batch's ``tensors`` (the outputs of
+        ``session``) to fit in :data:`BATCH_BYTES`, from one sample's: ONNX Runtime may also hold
+        them all at once while it reduces them in the first pass."""
         if self.fixed_batch is not None:
-            size = self.fixed_batch
-        if self._bar is not None:
-            self._bar.update(min(size, self.count - start))
-        return {name: array[start:min(start + size, self.count)]
-                for name, array in self.calibration.arrays.items()}
+            return
+        first = {name: array[:1] for name, array in self.calibration.arrays.items()}
+        per_sample = sum(array.nbytes for array in _run(session, tensors, first))
+        self.step = int(max(1, min(self.step, BATCH_BYTES // max(per_sample, 1))))
+
+    def batches(self) -> Iterator[dict[str, np.ndarray]]:
+        for start in range(0, self.count, self.step):
+            end = min(start + self.step, self.count)
+            if self._bar is not None:
+                self._bar.update(end - start)
+            yield {name: array[start:end] for name, array in self.calibration.arrays.items()}
 
 
 def _run(session: Any, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -157,9 +169,8 @@ def _extremes(model: Any, tensors: Sequence[str], samples: _Samples, *,
     reduced, names = _with_reductions(model, tensors, absolute=absolute)
     session = _session(reduced)
     found: dict[str, np.ndarray] = {}
-    for start in range(0, samples.count, samples.fixed_batch or samples.batch_size):
-        values = _run(session, names, samples.batch(start, samples.batch_size))
-        for name, value in zip(names, values):
+    for feed in samples.batches():
+        for name, value in zip(names, _run(session, names, feed)):
             value = value.reshape(())
             if name not in found:
                 found[name] = value
@@ -176,19 +187,22 @@ def _extremes(model: Any, tensors: Sequence[str], samples: _Samples, *,
     return result
 
 
-def _histograms(model: Any, tensors: Sequence[str], samples: _Samples,
+def _histograms(session: Any, tensors: Sequence[str], samples: _Samples,
                 extremes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]], *,
                 absolute: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Each tensor's histogram of :data:`HISTOGRAM_BINS` bins (counts, edges) over its whole
     range, as ONNX Runtime makes it from all samples at once: over [-t, t] with t the largest
-    magnitude (entropy), or over [smallest, largest] absolute value (symmetric percentile). The
-    batches start at one sample, to learn how large a batch fits in :data:`BATCH_BYTES`; each
-    batch's tensors are counted in parallel threads (numpy counts without holding the GIL)."""
+    magnitude (entropy), or over [smallest, largest] absolute value (symmetric percentile).
+    ``session`` outputs the tensors; each batch's are counted in parallel threads (numpy counts
+    without holding the GIL)."""
     names = list(tensors)
-    session = _session(_with_outputs(model, names))
     bounds: dict[str, Any] = {}
     for name, (low, high, absolute_low) in extremes.items():
         largest = np.maximum(abs(low), abs(high))
+        if not np.isfinite(largest):
+            raise CalibrationError("a tensor of the model is infinite or NaN on the calibration "
+                                   "samples: it has no range to quantize to (check the samples' "
+                                   "preprocessing)", tensor=name)
         if absolute:
             bounds[name] = (absolute_low, largest)
         else:
@@ -202,21 +216,15 @@ def _histograms(model: Any, tensors: Sequence[str], samples: _Samples,
         return name, counts, edges.astype(values.dtype)
 
     result: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    start, size = 0, 1
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        while start < samples.count:
-            feed = samples.batch(start, size)
-            done = len(next(iter(feed.values())))
+        for feed in samples.batches():
             outputs = _run(session, names, feed)
-            per_sample = sum(array.nbytes for array in outputs) / done
             for name, counts, edges in pool.map(count, zip(names, outputs)):
                 if name in result:
                     result[name][0][...] += counts
                 else:
                     result[name] = (counts, edges)
             del outputs
-            start += done
-            size = int(max(1, min(samples.batch_size, BATCH_BYTES // max(per_sample, 1.0))))
     return result
 
 

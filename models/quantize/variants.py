@@ -126,22 +126,40 @@ class QdqVariants:
         quantized input with them) reading float tensors; the full model itself when that
         leaves everything as it is."""
         excluded = frozenset(excluded)
-        in_float = excluded | (self._quantized_in_full - self._quantized_nodes(excluded))
+        quantized = self._quantized_nodes(excluded)
+        in_float = excluded | (self._quantized_in_full - quantized)
         if not in_float:
             return self.full_model
         nodes = []
         for node in self.full_model.graph.node:
-            if node.name in in_float and node.op_type not in (QUANTIZE, DEQUANTIZE) and any(
-                    name in self._float_source for name in node.input):
-                rewired = self._onnx.NodeProto()
-                rewired.CopyFrom(node)
-                rewired.input[:] = [self._float_source.get(name, name) for name in node.input]
-                node = rewired
+            if node.op_type not in (QUANTIZE, DEQUANTIZE) and node.name not in quantized:
+                node = self._reading_float(node, every=node.name in in_float, in_float=in_float)
             nodes.append(node)
         graph_outputs = {output.name for output in self.full_model.graph.output}
         nodes, renamed = self._without_unused_pairs(nodes, graph_outputs, in_float)
         nodes, own_scales = self._unshared(nodes, in_float)
         return self._model(nodes, renamed, own_scales)
+
+    def _reading_float(self, node: Any, *, every: bool, in_float: frozenset[str]) -> Any:
+        """``node`` reading the float source instead of each dequantized input: ``every`` one,
+        or those whose producer is in float (a node never quantized, a LayerNormalization, read
+        a tensor dequantized only because its quantized producer quantized its output)."""
+        def source(name: str) -> str:
+            float_source = self._float_source.get(name)
+            if float_source is None:
+                return name
+            producer = self._producers.get(float_source)
+            if every or producer is not None and producer.name in in_float:
+                return float_source
+            return name
+
+        inputs = [source(name) for name in node.input]
+        if inputs == list(node.input):
+            return node
+        rewired = self._onnx.NodeProto()
+        rewired.CopyFrom(node)
+        rewired.input[:] = inputs
+        return rewired
 
     def _without_unused_pairs(self, nodes: list[Any], graph_outputs: set[str],
                               in_float: frozenset[str]) -> tuple[list[Any], dict[str, str]]:
