@@ -28,7 +28,7 @@ def _branchy_model() -> bytes:
     """Two convolutions on one ReLU's output joined by an Add, a residual Add back to that
     output (which so feeds three layers), max-pooling, and two heads: a 1x1 convolution whose
     output is a model output, and pooling into a Gemm (transposed weights) and a MatMul; the
-    Gemm's output also feeds a Sub, an op quantize_static does not quantize."""
+    Gemm's output also feeds a Sub (an op quantize_static does not quantize) into a MatMul."""
     rng = np.random.default_rng(0)
 
     def weight(name, *shape):
@@ -37,7 +37,7 @@ def _branchy_model() -> bytes:
     initializers = [weight("w1", 4, 3, 3, 3), weight("b1", 4), weight("w2", 4, 4, 3, 3),
                     weight("b2", 4), weight("w3", 4, 4, 1, 1), weight("w4", 2, 4, 1, 1),
                     weight("b4", 2), weight("wg", 6, 4), weight("bg", 6), weight("wm", 6, 5),
-                    weight("centre", 6)]
+                    weight("centre", 6), weight("wo", 6, 3)]
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1_out"], name="c1", pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c1_out"], ["t"], name="r1"),
@@ -51,13 +51,14 @@ def _branchy_model() -> bytes:
         helper.make_node("Flatten", ["g"], ["f"], name="flat"),
         helper.make_node("Gemm", ["f", "wg", "bg"], ["h"], name="gemm", transB=1),
         helper.make_node("MatMul", ["h", "wm"], ["logits"], name="mm"),
-        helper.make_node("Sub", ["h", "centre"], ["offsets"], name="sub"),
+        helper.make_node("Sub", ["h", "centre"], ["centred"], name="sub"),
+        helper.make_node("MatMul", ["centred", "wo"], ["offsets"], name="mm2"),
     ]
     graph = helper.make_graph(
         nodes, "branchy", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
         [helper.make_tensor_value_info("heatmap", TensorProto.FLOAT, ["n", 2, 4, 4]),
          helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 5]),
-         helper.make_tensor_value_info("offsets", TensorProto.FLOAT, ["n", 6])],
+         helper.make_tensor_value_info("offsets", TensorProto.FLOAT, ["n", 3])],
         initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
