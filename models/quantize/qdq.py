@@ -134,7 +134,6 @@ class QdqQuantizer:
         self.seconds = {"calibration_s": 0.0, "quantize_static_s": 0.0, "variants_s": 0.0}
         self.variant_count = 0
         self._variants: QdqVariants | None = None
-        self._full_bytes = b""
 
     def _pre_process(self, raw_path: Path) -> None:
         """Shape inference and basic graph optimisation, as ONNX Runtime recommends before QDQ,
@@ -206,24 +205,17 @@ class QdqQuantizer:
             excluded = list(exclude)
         variants = self._full_model()
         started = time.perf_counter()
-        model = variants.derive(self.expand_exclusions(excluded))
-        if model is variants.full_model:
-            model_bytes = self._full_bytes
-        else:
-            check_qdq_graph(model)
-            model_bytes = model.SerializeToString()
+        model_bytes = variants.derive(self.expand_exclusions(excluded))
         self.seconds["variants_s"] += time.perf_counter() - started
         self.variant_count += 1
         return model_bytes
 
     def _full_model(self) -> QdqVariants:
         if self._variants is None:
-            onnx = require("onnx", extra="host", purpose="INT8 quantization")
             if not self.cache_path.exists():
                 self.calibrate()
             started = time.perf_counter()
-            self._full_bytes = self.quantize_with_ort()
-            self._variants = QdqVariants(onnx.load_from_string(self._full_bytes), self.float_model,
+            self._variants = QdqVariants(self.quantize_with_ort(), self.float_model,
                                          self.op_types, self._activation_scales())
             self.seconds["quantize_static_s"] = time.perf_counter() - started
         return self._variants

@@ -29,6 +29,7 @@ with the excluded ones kept out) are the same.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ class QdqVariants:
 
     Args:
         full_model: ``quantize_static``'s model with nothing excluded (DedicatedQDQPair and
-            AddQDQPairToWeight on).
+            AddQDQPairToWeight on), serialized.
         float_model: The float model it was made from (its node order decides, as in
             ``quantize_static``, which follower nodes are quantized).
         op_types: The op types ``quantize_static`` was asked to quantize.
@@ -59,38 +60,52 @@ class QdqVariants:
             from the tensor's range.
     """
 
-    def __init__(self, full_model: Any, float_model: Any, op_types: Collection[str],
+    def __init__(self, full_model: bytes, float_model: Any, op_types: Collection[str],
                  scales: Mapping[str, np.ndarray]) -> None:
         self._onnx = require("onnx", extra="host", purpose="INT8 quantization")
-        self.full_model = full_model
+        numpy_helper = require("onnx.numpy_helper", extra="host", purpose="INT8 quantization")
+        self.full_bytes = full_model
+        model = self._onnx.load_from_string(full_model)
         self._op_types = frozenset(op_types)
-        self._float_nodes = list(float_model.graph.node)
+        self._float_nodes = [_Node.of(node) for node in float_model.graph.node]
         self._float_tensors = _float_tensors(float_model)
         self._float_weights = {init.name for init in float_model.graph.initializer
                                if init.data_type in _FLOAT_TYPES}
         self._opset = next((entry.version for entry in float_model.opset_import
                             if entry.domain in ("", "ai.onnx")), 0)
-        producers = {output: node for node in full_model.graph.node for output in node.output}
+        self._pieces = _Pieces(model)
+        self._nodes = [_Node.of(node) for node in self._pieces.protos]
+        self._producer = {output: node.name for node in self._nodes for output in node.outputs}
+        producer_node = {output: node for node in self._nodes for output in node.outputs}
+        self._users: dict[str, list[int]] = {}  # tensor -> the nodes reading or writing it
+        for index, node in enumerate(self._nodes):
+            for name in (*node.inputs, *node.outputs):
+                self._users.setdefault(name, []).append(index)
+        self._graph_outputs = {output.name for output in model.graph.output}
+        initializers = {init.name: init for init in model.graph.initializer}
         # DequantizeLinear output -> the float tensor its QuantizeLinear reads.
         self._float_source: dict[str, str] = {}
-        for node in full_model.graph.node:
-            if node.op_type != DEQUANTIZE:
-                continue
-            quantize = producers.get(node.input[0])
+        for node in self._nodes:
+            quantize = producer_node.get(node.inputs[0]) if node.op_type == DEQUANTIZE else None
             if quantize is not None and quantize.op_type == QUANTIZE:
-                self._float_source[node.output[0]] = quantize.input[0]
-        self._producers = producers
-        self._scales = scales
-        self._initializers = {init.name: init for init in full_model.graph.initializer}
-        # A model output quantized for its producer: the producer writes this float source.
-        self._output_of_source = {self._float_source[output.name]: output.name
-                                  for output in full_model.graph.output
-                                  if output.name in self._float_source}
+                self._float_source[node.outputs[0]] = quantize.inputs[0]
+        # The activation pairs (Q index -> its DQ indices, its scale) and each pair's tensor's own
+        # scale where the full model gives it another.
+        self._pair_dequantizers: dict[int, list[int]] = {}
+        self._own_scales: dict[int, np.ndarray] = {}
+        for index, node in enumerate(self._nodes):
+            if node.op_type != QUANTIZE or node.inputs[0] in initializers:
+                continue
+            self._pair_dequantizers[index] = [reader for reader in self._users[node.outputs[0]]
+                                              if self._nodes[reader].op_type == DEQUANTIZE]
+            # A model output quantized for its producer: the producer writes a renamed source.
+            tensor = next((output for output in self._graph_outputs
+                           if self._float_source.get(output) == node.inputs[0]), node.inputs[0])
+            own, current = scales.get(tensor), initializers.get(node.inputs[1])
+            if (own is not None and current is not None
+                    and not np.array_equal(numpy_helper.to_array(current), own)):
+                self._own_scales[index] = own
         self._quantized_in_full = self._quantized_nodes(frozenset())
-        self._shell = self._onnx.ModelProto()  # the full model less its graph's contents
-        self._shell.CopyFrom(full_model)
-        for field in ("node", "initializer", "value_info", "input", "output"):
-            self._shell.graph.ClearField(field)
 
     def _quantized_nodes(self, excluded: frozenset[str]) -> set[str]:
         """The nodes ``quantize_static`` would quantize with ``excluded`` left out: each node of
@@ -104,159 +119,203 @@ class QdqVariants:
             if node.op_type in FOLLOWER_OP_TYPES and not self._follows(node, marked):
                 continue
             quantized.add(node.name)
-            tensors: Iterable[str] = node.output
+            tensors: Iterable[str] = node.outputs
             if node.op_type not in FOLLOWER_OP_TYPES or node.op_type in ("Gather", "GatherElements"):
-                tensors = (*node.input, *node.output)
+                tensors = (*node.inputs, *node.outputs)
             marked.update(name for name in tensors if name in self._float_tensors)
         return quantized
 
-    def _follows(self, node: Any, marked: set[str]) -> bool:
+    def _follows(self, node: _Node, marked: set[str]) -> bool:
         """Whether ``quantize_static`` quantizes this follower node, given the tensors quantized
         before it."""
         if node.op_type == "MaxPool" and self._opset < 12 or node.op_type == "Resize" and self._opset < 11:
             return False
-        if node.op_type in ("Gather", "GatherElements") and node.input[0] in self._float_weights:
+        if node.op_type in ("Gather", "GatherElements") and node.inputs[0] in self._float_weights:
             return True  # an embedding table is quantized as a weight
         if node.op_type == "Where":
-            return len(node.input) == 3 and node.input[1] in marked and node.input[2] in marked
-        return bool(node.input) and node.input[0] in marked
+            return len(node.inputs) == 3 and node.inputs[1] in marked and node.inputs[2] in marked
+        return bool(node.inputs) and node.inputs[0] in marked
 
-    def derive(self, excluded: Collection[str]) -> Any:
-        """The QDQ model with the nodes ``excluded`` (and the followers that lose their
-        quantized input with them) reading float tensors; the full model itself when that
-        leaves everything as it is."""
+    def derive(self, excluded: Collection[str]) -> bytes:
+        """The QDQ model (serialized) with the nodes ``excluded`` (and the followers that lose
+        their quantized input with them) reading float tensors.
+
+        The result keeps the full model's invariants (:func:`models.quantize.qdq.check_qdq_format`):
+        it only loses Q/DQ nodes, rewires nodes to the float tensors those fed, and gives some
+        activation pairs another per-tensor scale."""
         excluded = frozenset(excluded)
         quantized = self._quantized_nodes(excluded)
         in_float = excluded | (self._quantized_in_full - quantized)
         if not in_float:
-            return self.full_model
-        nodes = []
-        for node in self.full_model.graph.node:
+            return self.full_bytes
+        variant = _Variant(self._nodes)
+        for index, node in enumerate(self._nodes):
             if node.op_type not in (QUANTIZE, DEQUANTIZE) and node.name not in quantized:
-                node = self._reading_float(node, every=node.name in in_float, in_float=in_float)
-            nodes.append(node)
-        graph_outputs = {output.name for output in self.full_model.graph.output}
-        nodes, renamed = self._without_unused_pairs(nodes, graph_outputs, in_float)
-        nodes, own_scales = self._unshared(nodes, in_float)
-        return self._model(nodes, renamed, own_scales)
+                every = node.name in in_float
+                variant.set_inputs(index, tuple(self._source(name, every, in_float)
+                                                for name in node.inputs))
+        renamed = self._remove_unused_pairs(variant, in_float)
+        scales = self._unshare_scales(variant, in_float)
+        return self._pieces.model(variant, renamed, scales, self._onnx)
 
-    def _reading_float(self, node: Any, *, every: bool, in_float: frozenset[str]) -> Any:
-        """``node`` reading the float source instead of each dequantized input: ``every`` one,
-        or those whose producer is in float (a node never quantized, a LayerNormalization, read
-        a tensor dequantized only because its quantized producer quantized its output)."""
-        def source(name: str) -> str:
-            float_source = self._float_source.get(name)
-            if float_source is None:
-                return name
-            producer = self._producers.get(float_source)
-            if every or producer is not None and producer.name in in_float:
-                return float_source
+    def _source(self, name: str, every: bool, in_float: frozenset[str]) -> str:
+        """The tensor a node in float reads for ``name``: the float source of a dequantized
+        input, for ``every`` one or those whose producer is in float too (a node never
+        quantized, a LayerNormalization, read a tensor dequantized only because its quantized
+        producer quantized its output)."""
+        float_source = self._float_source.get(name)
+        if float_source is None:
             return name
+        if every or self._producer.get(float_source) in in_float:
+            return float_source
+        return name
 
-        inputs = [source(name) for name in node.input]
-        if inputs == list(node.input):
-            return node
-        rewired = self._onnx.NodeProto()
-        rewired.CopyFrom(node)
-        rewired.input[:] = inputs
-        return rewired
-
-    def _without_unused_pairs(self, nodes: list[Any], graph_outputs: set[str],
-                              in_float: frozenset[str]) -> tuple[list[Any], dict[str, str]]:
-        """``nodes`` less the Q/DQ pairs that feed nothing now, and the renames (float source ->
-        model output) that undo the quantization of a model output made by a float node."""
+    def _remove_unused_pairs(self, variant: _Variant, in_float: frozenset[str]) -> dict[str, str]:
+        """Drop the Q/DQ pairs that feed nothing now; returns the renames (float source -> model
+        output) that undo the quantization of a model output made by a node in float."""
         read: dict[str, int] = {}
-        for node in nodes:
-            for name in node.input:
+        for index in range(len(self._nodes)):
+            for name in variant.inputs[index]:
                 read[name] = read.get(name, 0) + 1
         renamed: dict[str, str] = {}
-        removed: set[int] = set()
-        for index, node in enumerate(nodes):
-            if node.op_type != DEQUANTIZE or node.output[0] not in self._float_source:
+        for index, node in enumerate(self._nodes):
+            if node.op_type != DEQUANTIZE or node.outputs[0] not in self._float_source:
                 continue
-            output = node.output[0]
+            output = node.outputs[0]
             if read.get(output):
                 continue
-            if output in graph_outputs:
+            if output in self._graph_outputs:
                 source = self._float_source[output]
-                producer = self._producers.get(source)
-                if producer is None or producer.name not in in_float:
+                if self._producer.get(source) not in in_float:
                     continue  # a quantized node's INT8 output: quantize_static keeps it too
                 renamed[source] = output
-            removed.add(index)
-            read[node.input[0]] -= 1
-        for index, node in enumerate(nodes):
-            if node.op_type == QUANTIZE and not read.get(node.output[0]):
-                removed.add(index)
-        kept = [node for index, node in enumerate(nodes) if index not in removed]
-        if renamed:
-            kept = [_renamed(node, renamed, self._onnx) for node in kept]
-        return kept, renamed
+            variant.removed.add(index)
+            read[node.inputs[0]] -= 1
+        for index, node in enumerate(self._nodes):
+            if node.op_type == QUANTIZE and not read.get(node.outputs[0]):
+                variant.removed.add(index)
+        for source, output in renamed.items():
+            for index in {*self._users.get(source, ()), *variant.changed} - variant.removed:
+                variant.rename(index, source, output)
+        return renamed
 
-    def _unshared(self, nodes: list[Any], in_float: frozenset[str]) -> tuple[list[Any], list[Any]]:
-        """``nodes`` with every Q/DQ pair on the output of a node in float given that tensor's own
-        scale where the full model has another (its producer's input's), and the new scale
-        initializers."""
+    def _unshare_scales(self, variant: _Variant, in_float: frozenset[str]) -> list[Any]:
+        """Give every pair left on the output of a node in float that tensor's own scale where
+        the full model gives it its producer's input's; returns the new scale initializers."""
         numpy_helper = require("onnx.numpy_helper", extra="host", purpose="INT8 quantization")
-        replaced: dict[str, str] = {}  # Q output -> the name of its tensor's own scale
         scales = []
-        for node in nodes:
-            if node.op_type != QUANTIZE or node.input[0] in self._initializers:
+        for index, own in self._own_scales.items():
+            node = self._nodes[index]
+            if index in variant.removed or self._producer.get(node.inputs[0]) not in in_float:
                 continue
-            producer = self._producers.get(node.input[0])
-            own = self._scales.get(self._output_of_source.get(node.input[0], node.input[0]))
-            current = self._initializers.get(node.input[1])
-            if (producer is not None and producer.name in in_float and own is not None
-                    and current is not None and not np.array_equal(numpy_helper.to_array(current), own)):
-                replaced[node.output[0]] = f"{node.output[0]}_own_scale"
-                scales.append(numpy_helper.from_array(own, replaced[node.output[0]]))
-        if not replaced:
-            return nodes, []
-        result = []
-        for node in nodes:
-            if node.op_type == QUANTIZE and node.output[0] in replaced:
-                node = _with_input(node, 1, replaced[node.output[0]], self._onnx)
-            elif node.op_type == DEQUANTIZE and node.input[0] in replaced:
-                node = _with_input(node, 1, replaced[node.input[0]], self._onnx)
-            result.append(node)
-        return result, scales
-
-    def _model(self, nodes: list[Any], renamed: dict[str, str], extra_initializers: list[Any]) -> Any:
-        """A model like the full one with ``nodes``, and only the initializers and value infos
-        they use."""
-        full = self.full_model
-        used = {name for node in nodes for name in node.input}
-        used.update(graph_input.name for graph_input in full.graph.input)
-        produced = {name for node in nodes for name in node.output}
-        model = self._onnx.ModelProto()
-        model.CopyFrom(self._shell)
-        graph = model.graph
-        graph.node.extend(nodes)
-        graph.input.extend(full.graph.input)
-        graph.output.extend(full.graph.output)
-        graph.initializer.extend(init for init in full.graph.initializer if init.name in used)
-        graph.initializer.extend(extra_initializers)
-        known = used | produced | set(renamed.values())
-        graph.value_info.extend(info for info in full.graph.value_info
-                                if info.name in known and info.name not in renamed)
-        return model
+            name = f"{node.outputs[0]}_own_scale"
+            scales.append(numpy_helper.from_array(own, name))
+            for changed in (index, *self._pair_dequantizers[index]):
+                inputs = list(variant.inputs[changed])
+                inputs[1] = name
+                variant.set_inputs(changed, tuple(inputs))
+        return scales
 
 
-def _with_input(node: Any, index: int, name: str, onnx: Any) -> Any:
-    copy = onnx.NodeProto()
-    copy.CopyFrom(node)
-    copy.input[index] = name
-    return copy
+@dataclass(frozen=True)
+class _Node:
+    """What a variant needs of a node, read once (protobuf fields are slow to read)."""
+
+    name: str
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    @classmethod
+    def of(cls, proto: Any) -> _Node:
+        return cls(proto.name, proto.op_type, tuple(proto.input), tuple(proto.output))
 
 
-def _renamed(node: Any, renames: dict[str, str], onnx: Any) -> Any:
-    if not any(name in renames for name in (*node.input, *node.output)):
-        return node
-    copy = onnx.NodeProto()
-    copy.CopyFrom(node)
-    copy.input[:] = [renames.get(name, name) for name in node.input]
-    copy.output[:] = [renames.get(name, name) for name in node.output]
-    return copy
+class _Variant:
+    """The full model's nodes as one variant changes them: new inputs or outputs by node
+    index, and the nodes removed."""
+
+    def __init__(self, nodes: list[_Node]) -> None:
+        self.inputs = [node.inputs for node in nodes]
+        self.outputs = [node.outputs for node in nodes]
+        self.changed: set[int] = set()
+        self.removed: set[int] = set()
+
+    def set_inputs(self, index: int, inputs: tuple[str, ...]) -> None:
+        if inputs != self.inputs[index]:
+            self.inputs[index] = inputs
+            self.changed.add(index)
+
+    def rename(self, index: int, old: str, new: str) -> None:
+        inputs = tuple(new if name == old else name for name in self.inputs[index])
+        outputs = tuple(new if name == old else name for name in self.outputs[index])
+        if (inputs, outputs) != (self.inputs[index], self.outputs[index]):
+            self.inputs[index], self.outputs[index] = inputs, outputs
+            self.changed.add(index)
+
+
+class _Pieces:
+    """The full model's parts, serialized once, from which a variant's bytes are put together:
+    its weights (most of its bytes) are never serialized again. Protocol buffers allow a
+    message's fields in any order, and a repeated field's items one after another."""
+
+    _GRAPH, _NODE, _INITIALIZER, _VALUE_INFO = 7, 1, 5, 13  # ModelProto/GraphProto field numbers
+
+    def __init__(self, full_model: Any) -> None:
+        self.protos = list(full_model.graph.node)
+        self._node_bytes = [_field(self._NODE, node.SerializeToString()) for node in self.protos]
+        self._initializer_bytes = {init.name: _field(self._INITIALIZER, init.SerializeToString())
+                                   for init in full_model.graph.initializer}
+        self._value_info_bytes = {info.name: _field(self._VALUE_INFO, info.SerializeToString())
+                                  for info in full_model.graph.value_info}
+        self._graph_inputs = {graph_input.name for graph_input in full_model.graph.input}
+        rest = type(full_model.graph)()
+        rest.CopyFrom(full_model.graph)
+        for name in ("node", "initializer", "value_info"):
+            rest.ClearField(name)
+        self._graph_rest = rest.SerializeToString()
+        shell = type(full_model)()
+        shell.CopyFrom(full_model)
+        shell.ClearField("graph")
+        self._model_rest = shell.SerializeToString()
+
+    def model(self, variant: _Variant, renamed: dict[str, str], extra_initializers: list[Any],
+              onnx: Any) -> bytes:
+        """The variant's model: its nodes, ``extra_initializers``, and only the full model's
+        initializers and value infos that its nodes use."""
+        kept = [index for index in range(len(self.protos)) if index not in variant.removed]
+        used = {name for index in kept for name in variant.inputs[index]} | self._graph_inputs
+        known = used | {name for index in kept for name in variant.outputs[index]}
+        parts = [self._graph_rest]
+        for index in kept:
+            if index in variant.changed:
+                node = onnx.NodeProto()
+                node.CopyFrom(self.protos[index])
+                node.input[:] = variant.inputs[index]
+                node.output[:] = variant.outputs[index]
+                parts.append(_field(self._NODE, node.SerializeToString()))
+            else:
+                parts.append(self._node_bytes[index])
+        parts.extend(piece for name, piece in self._initializer_bytes.items() if name in used)
+        parts.extend(_field(self._INITIALIZER, init.SerializeToString())
+                     for init in extra_initializers)
+        parts.extend(piece for name, piece in self._value_info_bytes.items()
+                     if name in known and name not in renamed)
+        return self._model_rest + _field(self._GRAPH, b"".join(parts))
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protocol buffer field."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    encoded = bytearray()
+    while value > 0x7F:
+        encoded.append(value & 0x7F | 0x80)
+        value >>= 7
+    encoded.append(value)
+    return bytes(encoded)
 
 
 def _float_tensors(model: Any) -> set[str]:
