@@ -196,18 +196,20 @@ def test_mixed_precision_keeps_a_minimal_set_of_layers_out_of_int8(tmp_path):
 
 def test_a_kept_out_add_between_int8_branches_is_not_listed_as_int8(digits, trained_onnx,
                                                                      tmp_path):
-    """Kept out of INT8, the residual Add still reads two dequantized tensors (its INT8
-    neighbours' outputs). It runs in FP16, so the precision plan must not also call it INT8: a
-    pruned ResNet-18 whose search kept an Add out made a bundle the manifest check refused."""
+    """Kept out of INT8 by quantize_static, the residual Add still reads two dequantized tensors
+    (its INT8 neighbours' outputs). It runs in FP16, so the precision plan must not also call it
+    INT8: a pruned ResNet-18 whose search kept an Add out made a bundle the manifest check
+    refused. The quantizer's own variants give a kept-out Add float inputs."""
     train_split, _ = digits
     quantizer = QdqQuantizer(trained_onnx, from_array(train_split.images, "input", 64),
                              QuantizeConfig(method="minmax", progress=False), tmp_path)
     add = next(name for name, op_type in quantizer.candidates if op_type == "Add")
-    model_bytes = quantizer.quantize(exclude=[add])
-    assert add in quantized_layers(model_bytes)  # the premise: every input is dequantized
-    int8_layers = quantized_layers(model_bytes, kept_out=[add])
+    reference = quantizer.quantize_with_ort(exclude=[add])
+    assert add in quantized_layers(reference)  # the premise: every input is dequantized
+    int8_layers = quantized_layers(reference, kept_out=[add])
     assert add not in int8_layers
     assert set(int8_layers) == {name for name, _ in quantizer.candidates} - {add}
+    assert quantized_layers(quantizer.quantize(exclude=[add])) == int8_layers
 
 
 def test_an_evaluation_set_too_small_for_the_budget_is_warned_about(digits, trained_onnx,

@@ -10,9 +10,17 @@ The format (checked by :func:`check_qdq_format` after every quantization):
 - a dedicated Q/DQ pair for every consumer of a tensor, so ONNX Runtime's CPU provider can fuse
   each ``DQ -> op -> Q`` group into one integer kernel (TensorRT does not care either way).
 
-Quantization is done with onnxruntime.quantization (``quantize_static`` in QDQ format). Ranges are
-calibrated once (entropy, percentile or min-max) and cached, so the mixed-precision search can
-re-quantize with different layers excluded without calibrating again.
+Quantization is done with onnxruntime.quantization (``quantize_static`` in QDQ format), once:
+ranges are calibrated once (entropy, percentile or min-max, :mod:`models.quantize.ranges`), the
+model is quantized once with every layer in INT8, and the mixed-precision search's variants, with
+layers kept out of INT8, are derived from that model by editing its graph
+(:mod:`models.quantize.variants`) in milliseconds instead of a ``quantize_static`` call each.
+
+Normalizations (LayerNormalization, InstanceNormalization, BatchNormalization) are not quantized:
+ONNX Runtime would quantize their scale vector as an INT8 weight, per tensor after warning that
+its per-channel axis (1) does not exist on a vector, and TensorRT runs normalizations in floating
+point anyway. Per-channel weights must be quantized on their output-channel axis, which
+:func:`check_qdq_format` checks.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import os
 import sys
 import time
 from collections.abc import Collection, Iterator, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +40,10 @@ import numpy as np
 from agent.deps import require
 from agent.errors import CalibrationError, InternalError, QuantizationError
 from agent.fsutil import atomic_write_bytes
-from models.calibration import CalibrationReader, CalibrationSet
+from models.calibration import CalibrationSet
 from models.onnx_model import graph_links
+from models.quantize.ranges import calibration_tensors, collect_ranges, save_ranges
+from models.quantize.variants import QdqVariants
 
 if TYPE_CHECKING:
     from models.quantize.search import QuantizeConfig
@@ -43,6 +54,24 @@ log = logging.getLogger(__name__)
 CALIBRATION_METHODS = ("entropy", "percentile", "minmax")
 # Layers the mixed-precision search may keep out of INT8: the ones that carry the arithmetic.
 CANDIDATE_OP_TYPES = ("Conv", "ConvTranspose", "Gemm", "MatMul", "Add")
+# Op types quantize_static is not asked to quantize (module docstring).
+FLOAT_OP_TYPES = frozenset({"LayerNormalization", "InstanceNormalization", "BatchNormalization",
+                            "GroupNormalization"})
+_EXTRA_OPTIONS = {
+    "ActivationSymmetric": True,
+    "WeightSymmetric": True,
+    "AddQDQPairToWeight": True,
+    "QuantizeBias": False,
+    "DedicatedQDQPair": True,
+}
+
+
+@lru_cache(maxsize=1)
+def quantized_op_types() -> tuple[str, ...]:
+    """The op types quantize_static is asked to quantize: its own default set (every op it has a
+    QDQ or QLinear quantizer for) less :data:`FLOAT_OP_TYPES`."""
+    registry = require("onnxruntime.quantization.registry", extra="host", purpose="INT8 quantization")
+    return tuple(sorted((set(registry.QLinearOpsRegistry) | set(registry.QDQRegistry)) - FLOAT_OP_TYPES))
 
 
 @contextlib.contextmanager
@@ -84,7 +113,12 @@ class QdqQuantizer:
         raw_path = self.workdir / "float.raw.onnx"
         atomic_write_bytes(raw_path, float_model)
         self._pre_process(raw_path)
-        self.float_model = onnx.load(str(self.float_path))
+        self.op_types = quantized_op_types()
+        float_model = onnx.load(str(self.float_path))
+        if _unshare_weights(float_model, self.op_types):
+            onnx.save(float_model, str(self.float_path))
+        # Shape-inferred, as quantize_static loads it: calibration needs every tensor's type.
+        self.float_model = onnx.shape_inference.infer_shapes(float_model)
         self.candidates = [
             (node.name, node.op_type)
             for node in self.float_model.graph.node
@@ -95,6 +129,11 @@ class QdqQuantizer:
             raise QuantizationError("every node of the model needs a unique, non-empty name")
         self._neighbours = _candidate_neighbours(self.float_model, {name for name, _ in self.candidates})
         self.calibration_seconds = 0.0
+        # Seconds spent per phase, for the build's report: calibration_s, quantize_static_s (the
+        # one full quantization), variants_s (deriving every model quantize() returned).
+        self.seconds = {"calibration_s": 0.0, "quantize_static_s": 0.0, "variants_s": 0.0}
+        self.variant_count = 0
+        self._variants: QdqVariants | None = None
 
     def _pre_process(self, raw_path: Path) -> None:
         """Shape inference and basic graph optimisation, as ONNX Runtime recommends before QDQ,
@@ -137,45 +176,71 @@ class QdqQuantizer:
 
     def calibrate(self) -> None:
         """Collect activation ranges on the calibration set and cache them (done once)."""
-        from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
-
-        # quantize_static would build the entropy calibrator with 128 histogram bins and 128
-        # quantized bins, which leaves no threshold to search (it degenerates to min-max). TensorRT's
-        # entropy calibrator uses 2048 bins folded into 128, so do the same here.
-        options = {
-            "symmetric": True,
-            "num_bins": 2048,
-            "num_quantized_bins": 128,
-            "percentile": self.config.percentile,
-        }
-        reader = CalibrationReader(self.calibration, self.config.batch_size, self.config.progress,
-                                   fixed_batch=self.config.fixed_batch)
         started = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):  # ORT prints its progress to stdout
-            calibrator = create_calibrator(
-                self.float_path,
-                None,
-                augmented_model_path=str(self.workdir / "augmented.onnx"),
-                calibrate_method=self._method(),
-                extra_options=options,
-            )
-            try:
-                calibrator.collect_data(reader)
-            except Exception as exc:  # ORT raises plain Exceptions for input mismatches
-                raise CalibrationError(f"calibration data does not fit the model: {exc}") from exc
-            ranges = calibrator.compute_data()
-        save_tensors_data(ranges, self.cache_path)
+        tensors = calibration_tensors(self.float_model, self.op_types)
+        ranges = collect_ranges(
+            self.float_model,
+            tensors,
+            self.calibration,
+            method=self.config.method,
+            percentile=self.config.percentile,
+            batch_size=self.config.batch_size,
+            progress=self.config.progress,
+            fixed_batch=self.config.fixed_batch,
+        )
+        save_ranges(ranges, self._method(), self.cache_path)
         self.calibration_seconds = time.perf_counter() - started
+        self.seconds["calibration_s"] = self.calibration_seconds
+        log.info("calibrated %d tensors on %d samples (%s) in %.1f s", len(tensors),
+                 len(self.calibration), self.config.method, self.calibration_seconds)
 
     def quantize(
         self, *, exclude: Sequence[str] = (), only: Sequence[str] | None = None
     ) -> bytes:
-        """A QDQ model with ``exclude`` kept in float (or only the layers ``only`` quantized)."""
-        q = self._quantization
+        """A QDQ model with ``exclude`` kept in float (or only the layers ``only`` quantized),
+        and with them the other nodes :meth:`expand_exclusions` adds. Derived from the fully
+        quantized model (made, and calibrated for, on the first call)."""
         if only is not None:
             excluded = [name for name, _ in self.candidates if name not in set(only)]
         else:
             excluded = list(exclude)
+        variants = self._full_model()
+        started = time.perf_counter()
+        model_bytes = variants.derive(self.expand_exclusions(excluded))
+        self.seconds["variants_s"] += time.perf_counter() - started
+        self.variant_count += 1
+        return model_bytes
+
+    def _full_model(self) -> QdqVariants:
+        if self._variants is None:
+            if not self.cache_path.exists():
+                self.calibrate()
+            started = time.perf_counter()
+            self._variants = QdqVariants(self.quantize_with_ort(), self.float_model,
+                                         self.op_types, self._activation_scales())
+            self.seconds["quantize_static_s"] = time.perf_counter() - started
+        return self._variants
+
+    def _activation_scales(self) -> dict[str, np.ndarray]:
+        """Each calibrated tensor's INT8 scale, as quantize_static computes it from the cached
+        range (symmetric, the full INT8 range less -128)."""
+        from onnx import TensorProto
+        from onnxruntime.quantization.calibrate import load_tensors_data
+        from onnxruntime.quantization.quant_utils import compute_scale_zp, get_qmin_qmax_for_qType
+
+        qmin, qmax = get_qmin_qmax_for_qType(TensorProto.INT8, symmetric=True)
+        scales = {}
+        for name, data in load_tensors_data(self.cache_path).items():
+            low, high = data.range_value
+            _, scale = compute_scale_zp(np.asarray(low), np.asarray(high), qmin, qmax, True)
+            scales[name] = np.asarray(scale, dtype=np.float32).squeeze()
+        return scales
+
+    def quantize_with_ort(self, *, exclude: Sequence[str] = ()) -> bytes:
+        """``quantize_static`` with ``exclude`` (as given) as its nodes_to_exclude: the fully
+        quantized model that :meth:`quantize` derives its variants from, and the reference they
+        are checked against."""
+        q = self._quantization
         if not self.cache_path.exists():
             self.calibrate()
         output_path = self.workdir / "quantized.onnx"
@@ -186,26 +251,53 @@ class QdqQuantizer:
                     str(output_path),
                     None,
                     quant_format=q.QuantFormat.QDQ,
+                    op_types_to_quantize=list(self.op_types),
                     per_channel=True,
                     reduce_range=False,
                     activation_type=q.QuantType.QInt8,
                     weight_type=q.QuantType.QInt8,
                     calibrate_method=self._method(),
-                    nodes_to_exclude=self.expand_exclusions(excluded),
+                    nodes_to_exclude=list(exclude),
                     calibration_cache_path=str(self.cache_path),
-                    extra_options={
-                        "ActivationSymmetric": True,
-                        "WeightSymmetric": True,
-                        "AddQDQPairToWeight": True,
-                        "QuantizeBias": False,
-                        "DedicatedQDQPair": True,
-                    },
+                    extra_options=dict(_EXTRA_OPTIONS),
                 )
         except (ValueError, RuntimeError) as exc:
             raise QuantizationError(f"ONNX Runtime quantization failed: {exc}") from exc
         model_bytes = output_path.read_bytes()
         check_qdq_format(model_bytes)
         return model_bytes
+
+
+def _unshare_weights(model: Any, op_types: Collection[str]) -> int:
+    """Give every node of ``op_types`` a copy of its own of each float initializer it shares
+    with another such node; returns how many copies were made.
+
+    quantize_static gives a weight one Q/DQ pair however many nodes read it, and ONNX Runtime's
+    exact INT8 kernels (see :mod:`models.ort`) then fail the session ("Attempt to replace the
+    existing tensor") converting that weight once per reader: a text recognizer's attention
+    scale, one constant read by two Muls (its graph optimisation merges equal constants), did.
+    """
+    initializers = {init.name: init for init in model.graph.initializer if init.data_type in (1, 10)}
+    readers: dict[str, list[Any]] = {}
+    for node in model.graph.node:
+        if node.op_type in op_types:
+            for name in dict.fromkeys(node.input):
+                if name in initializers:
+                    readers.setdefault(name, []).append(node)
+    taken = set(initializers) | {name for node in model.graph.node for name in node.output}
+    copies = 0
+    for name, nodes in readers.items():
+        for node in nodes[1:]:
+            copy_name = f"{name}__{node.name}"
+            while copy_name in taken:
+                copy_name += "_"
+            taken.add(copy_name)
+            copy = model.graph.initializer.add()
+            copy.CopyFrom(initializers[name])
+            copy.name = copy_name
+            node.input[:] = [copy_name if item == name else item for item in node.input]
+            copies += 1
+    return copies
 
 
 def _candidate_neighbours(model: Any, candidates: set[str]) -> dict[str, frozenset[str]]:
@@ -236,10 +328,15 @@ def _candidate_neighbours(model: Any, candidates: set[str]) -> dict[str, frozens
 def check_qdq_format(model_bytes: bytes) -> None:
     """Check the invariants TensorRT needs (module docstring); a violation is our bug."""
     onnx = require("onnx", extra="host", purpose="checking QDQ models")
+    check_qdq_graph(onnx.load_from_string(model_bytes))
+
+
+def check_qdq_graph(model: Any) -> None:
+    """:func:`check_qdq_format` on a loaded model."""
     from onnx import numpy_helper
 
-    model = onnx.load_from_string(model_bytes)
     initializers = {init.name: init for init in model.graph.initializer}
+    producers, consumers = graph_links(model.graph)
     for node in model.graph.node:
         if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
             continue
@@ -252,6 +349,35 @@ def check_qdq_format(model_bytes: bytes) -> None:
             raise InternalError(f"{node.name}: non-zero zero point")
         if node.op_type == "DequantizeLinear" and node.input[0] in initializers:
             raise InternalError(f"{node.name}: weight stored quantized, not as float behind Q/DQ")
+        if node.op_type == "DequantizeLinear" and initializers[node.input[2]].dims:
+            _check_channel_axis(node, producers, consumers, initializers)
+
+
+def _check_channel_axis(dequantize: Any, producers: dict[str, Any], consumers: dict[str, list[Any]],
+                        initializers: dict[str, Any]) -> None:
+    """A per-channel weight must be quantized on its consumer's output-channel axis: 0 for a
+    Conv's weight, 1 for a ConvTranspose's, the output columns for a Gemm's or MatMul's."""
+    quantize = producers.get(dequantize.input[0])
+    weight = initializers.get(quantize.input[0]) if quantize is not None else None
+    if weight is None:
+        return
+    axis = next((attribute.i for attribute in dequantize.attribute if attribute.name == "axis"), 1)
+    axis = axis % len(weight.dims)
+    for consumer in consumers.get(dequantize.output[0], []):
+        if list(consumer.input).index(dequantize.output[0]) != 1:
+            continue
+        if consumer.op_type in ("Conv", "ConvTranspose"):
+            expected = 0 if consumer.op_type == "Conv" else 1
+        elif consumer.op_type == "Gemm":
+            transposed = any(attribute.name == "transB" and attribute.i for attribute in consumer.attribute)
+            expected = 0 if transposed else 1
+        elif consumer.op_type == "MatMul":
+            expected = len(weight.dims) - 1
+        else:
+            continue
+        if axis != expected:
+            raise InternalError(f"{dequantize.name}: {consumer.op_type} weight {weight.name} "
+                                f"quantized per channel on axis {axis}, not {expected}")
 
 
 def quantized_layers(model_bytes: bytes, kept_out: Collection[str] = ()) -> list[str]:

@@ -1,0 +1,189 @@
+"""Calibrated ranges (models/quantize/ranges.py) against ONNX Runtime's own calibrators."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from models.calibration import CalibrationSet  # noqa: E402
+from models.quantize import ranges  # noqa: E402
+from models.quantize.qdq import quantized_op_types  # noqa: E402
+
+
+def _model(batch: int | str = "n") -> onnx.ModelProto:
+    """Conv -> ReLU -> Conv -> Add (residual) -> global pool -> MatMul, shape-inferred."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.normal(scale=0.5, size=shape).astype(np.float32), name)
+               for name, shape in (("w1", (6, 3, 3, 3)), ("w2", (6, 6, 3, 3)), ("wm", (6, 4)))]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "c1"], ["s"], name="add"),
+        helper.make_node("GlobalAveragePool", ["s"], ["g"], name="pool"),
+        helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+        helper.make_node("MatMul", ["f", "wm"], ["y"], name="matmul"),
+    ]
+    graph = helper.make_graph(nodes, "ranges",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 10, 10])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 4])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _samples(count: int = 40) -> CalibrationSet:
+    rng = np.random.default_rng(1)
+    images = rng.normal(size=(count, 3, 10, 10)).astype(np.float32)
+    images[3, 0, 0, 0] = 25.0  # one outlier, for the entropy and percentile cuts to discard
+    return CalibrationSet({"x": images}, "test")
+
+
+def _ort_calibrator(model, calibration, method, tmp_path, bins=2048):
+    """ONNX Runtime's calibrator of ``method``, run over every sample at once (one collect
+    call: one histogram of all samples)."""
+    from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
+
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    options = {"symmetric": True, "num_bins": bins, "num_quantized_bins": 128, "percentile": 99.9}
+
+    class Reader:
+        def __init__(self):
+            self.batches = [calibration.arrays]
+
+        def get_next(self):
+            return self.batches.pop() if self.batches else None
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        calibrator = create_calibrator(
+            path, list(quantized_op_types()), augmented_model_path=str(tmp_path / "augmented.onnx"),
+            calibrate_method={"entropy": CalibrationMethod.Entropy, "minmax": CalibrationMethod.MinMax,
+                              "percentile": CalibrationMethod.Percentile}[method],
+            extra_options=options)
+        calibrator.collect_data(Reader())
+        computed = calibrator.compute_data()
+    found = {name: tuple(np.asarray(value).item() for value in computed[name].range_value)
+             for name in computed}
+    return calibrator, found
+
+
+def _floats(found):
+    return {name: tuple(np.asarray(value).item() for value in pair) for name, pair in found.items()}
+
+
+@pytest.mark.parametrize("method", ["percentile", "minmax"])
+def test_ranges_are_the_ones_onnx_runtime_calibrates(method, tmp_path):
+    model = _model()
+    tensors = ranges.calibration_tensors(model, quantized_op_types())
+    assert set(tensors) == {"x", "c1", "r1", "c2", "s", "g", "f", "y"}
+    _, expected = _ort_calibrator(model, _samples(), method, tmp_path)
+    found = ranges.collect_ranges(model, tensors, _samples(), method=method, percentile=99.9,
+                                  batch_size=8)
+    assert _floats(found) == expected
+
+
+def test_entropy_ranges_are_onnx_runtimes_up_to_its_rounding(tmp_path, monkeypatch):
+    """The histograms are ONNX Runtime's, bin for bin, though counted batch by batch. The cut
+    is its cut, or one its float32 arithmetic cannot tell from it: a divergence no larger, and
+    within 1e-4 of it."""
+    monkeypatch.setattr(ranges, "HISTOGRAM_BINS", 512)  # ONNX Runtime's search is slow at 2048
+    model = _model()
+    tensors = ranges.calibration_tensors(model, quantized_op_types())
+    calibrator, expected = _ort_calibrator(model, _samples(), "entropy", tmp_path, bins=512)
+    samples = _samples()
+    with ranges._Samples(model, samples, 8, passes=2, progress=False) as batches:
+        session = ranges._session(ranges._with_outputs(model, tensors))
+        extremes = ranges._extremes(model, tensors, batches, absolute=False)
+        histograms = ranges._histograms(session, tensors, batches, extremes, absolute=False)
+    found = _floats(ranges.collect_ranges(model, tensors, samples, method="entropy", batch_size=8))
+    for name in tensors:
+        theirs = calibrator.collector.histogram_dict[name]
+        np.testing.assert_array_equal(histograms[name][0], theirs[0])
+        np.testing.assert_array_equal(histograms[name][1], theirs[1])
+        if found[name] != expected[name]:
+            divergence = _divergence_of_cuts(*histograms[name], *extremes[name][:2])
+            assert divergence[found[name]] <= divergence[expected[name]] * (1 + 1e-4), name
+
+
+def _divergence_of_cuts(counts, edges, lowest, highest):
+    """Each cut's range (as entropy_range clips it) -> its exact divergence."""
+    middle = counts.size // 2
+    divergence = {}
+    for step in range(64, middle + 1):
+        start, end = middle - step, min(middle + step + 1, counts.size)
+        pair = (max(edges[start], lowest).item(), min(edges[end], highest).item())
+        value = _divergence_by_bins(counts, start, end, 128)
+        divergence[pair] = min(value, divergence.get(pair, np.inf))
+    return divergence
+
+
+def _histogram(kind: str, rng: np.random.Generator, bins: int = 400):
+    data = {"normal": lambda: rng.standard_normal(50_000),
+            "relu": lambda: np.maximum(rng.standard_normal(50_000), 0) * 3,
+            "outliers": lambda: np.concatenate([rng.laplace(size=50_000), [60.0, -45.0]]),
+            "levels": lambda: rng.integers(-3, 4, 50_000)}[kind]().astype(np.float32)
+    threshold = np.array(np.abs(data).max(), dtype=np.float32)
+    counts, edges = np.histogram(data, bins, range=(-threshold, threshold))
+    return counts, edges, data.min(), data.max()
+
+
+@pytest.mark.parametrize("kind", ["normal", "relu", "levels"])
+def test_the_entropy_cut_is_the_one_onnx_runtime_picks(kind):
+    from onnxruntime.quantization.calibrate import HistogramCollector
+
+    counts, edges, lowest, highest = _histogram(kind, np.random.default_rng(2))
+    collector = HistogramCollector("entropy", True, counts.size, 128, 99.999, "same")
+    expected = collector.get_entropy_threshold((counts, edges, lowest, highest), 128)
+    assert ranges.entropy_range(counts, edges, lowest, highest) == expected
+
+
+def _divergence_by_bins(counts: np.ndarray, start: int, end: int, quantized: int) -> float:
+    """KL(p || q) of one cut, built bin by bin the way ONNX Runtime does (in float64)."""
+    p = counts[start:end].astype(np.float64)
+    p[0] += counts[:start].sum()
+    p[-1] += counts[end:].sum()
+    merged = (end - start) // quantized
+    q = np.zeros_like(p)
+    for group in range(quantized):
+        low, high = group * merged, (group + 1) * merged
+        total = counts[start + low:start + high].sum()
+        if group == quantized - 1:
+            total += counts[start + quantized * merged:end].sum()
+        filled = np.count_nonzero(p[low:high])
+        if filled:
+            q[low:high] = total // filled
+
+    def smoothed(values):
+        empty = values == 0
+        if empty.all():
+            return None
+        return values + 1e-4 * empty - 1e-4 * empty.sum() / (~empty).sum() * ~empty
+
+    p, q = smoothed(p), smoothed(q)
+    if p is None or q is None:
+        return np.inf
+    p, q = p / p.sum(), q / q.sum()
+    return float(np.sum(p * np.log(p / q)))
+
+
+def test_the_divergence_of_every_cut_is_the_exact_one():
+    # Sparse histograms: many empty bins, so the smoothing weights are at their largest.
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        counts = rng.poisson(rng.uniform(0, 4, 300)) * (rng.random(300) < 0.4)
+        counts[rng.integers(0, 300, 3)] += 10_000
+        middle = counts.size // 2
+        steps = np.arange(64, middle + 1)
+        starts, ends = middle - steps, np.minimum(middle + steps + 1, counts.size)
+        found = ranges._divergences(counts, starts, ends, 128)
+        expected = [_divergence_by_bins(counts, s, e, 128) for s, e in zip(starts, ends)]
+        np.testing.assert_allclose(found, expected, rtol=1e-9, atol=1e-12)
