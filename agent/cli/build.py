@@ -58,8 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--calib-method", choices=("entropy", "percentile", "minmax"),
                        default="entropy", help="how INT8 ranges are chosen")
     build.add_argument("--accuracy-budget", type=float, default=1.0, metavar="POINTS",
-                       help="largest top-1 (or agreement) drop allowed, in points; after "
-                            "pruning it counts from the unpruned model")
+                       help="largest drop allowed in each agreement judge (top-1, class or "
+                            "decision agreement, your --evaluator's score), in points; after "
+                            "pruning it counts from the unpruned model. Without labels, INT8 is "
+                            "judged on samples of --calib-dir held out from calibration: the "
+                            "first --calib-samples files calibrate, the next (up to 256) judge; "
+                            "with fewer than --calib-samples + 32 files, 32 (at most half) are "
+                            "held out")
     build.add_argument("--key", type=Path, help="Ed25519 private key (PEM) to sign with")
     build.add_argument("--out", type=Path, default=Path("out"), metavar="DIR",
                        help="where the bundle, report and a new key go")
@@ -76,8 +81,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "and the host speed check's input (default: 224x224 for the example "
                             "models, the calibration samples' size otherwise)")
     build.add_argument("--output-layout", choices=("NCHW", "NHWC"),
-                       help="layout of a 4-D first output (segmentation), for judging agreement "
-                            "without labels (default: told by the graph)")
+                       help="layout of the 4-D outputs (segmentation maps), for judging their "
+                            "classes per position (default: told by the graph)")
+    build.add_argument("--output-metric", action="append", default=[],
+                       metavar="NAME=METRIC[:TOL]",
+                       help="how to judge output NAME against FP32 instead of the automatic "
+                            "choice (repeatable): agreement[:DROP] (the agreement that suits the "
+                            "output), top1[:DROP] (the class on its class axis; against the "
+                            "labels where given), decision[:DROP] (output > 0.5, or > 0 for "
+                            "logits), exact[:DROP] (every value equal), where DROP is the "
+                            "largest drop from FP32 in points (default: --accuracy-budget); "
+                            "cosine[:MIN] (mean cosine per sample, default 0.99), sqnr[:MIN] "
+                            "(dB, default 20); ignore (reported, not held). E.g. "
+                            "boxes=cosine:0.995")
+    build.add_argument("--evaluator", metavar="MODULE:CALLABLE",
+                       help="your task metric: called as f(fp32_outputs, candidate_outputs, "
+                            "labels) with dicts of output name to array (labels: None without "
+                            "them), returning a number, higher is better (mAP, 100 - CER); its "
+                            "drop from f(fp32, fp32, labels) is held to --accuracy-budget, and "
+                            "the automatic judges are then reported only")
+    build.add_argument("--search-time", type=float, metavar="SECONDS", dest="search_time_s",
+                       help="bound on the mixed-precision search (layer sensitivity and "
+                            "bisection); when it runs out the smallest passing layer set found "
+                            "is taken, and the report says so (default: no bound)")
+    build.add_argument("--allow-no-int8", action="store_true",
+                       help="accept a build that keeps every layer out of INT8 (an FP16 "
+                            "bundle); without it such a build fails")
     build.add_argument("--threads", type=int, default=2, metavar="N",
                        help="CPU threads for PyTorch and ONNX Runtime on this host")
     build.add_argument("--engine", action="store_true",
@@ -139,6 +168,7 @@ def _pruning_settings(args: argparse.Namespace) -> dict[str, Any]:
 def run_build(args: argparse.Namespace) -> int:
     require("torch", extra="host", purpose="edge-agent build")
     from models.pipeline import BuildOptions, build, format_summary
+    from models.quantize import OutputMetric
 
     model = args.model
     if model is None and args.onnx is None and args.user_model is None:
@@ -165,6 +195,10 @@ def run_build(args: argparse.Namespace) -> int:
         opt_batch=args.opt_batch,
         frame_size=args.frame_size,
         output_layout=args.output_layout,
+        output_metrics=tuple(OutputMetric.parse(text) for text in args.output_metric),
+        evaluator=args.evaluator,
+        search_time_s=args.search_time_s,
+        allow_no_int8=args.allow_no_int8,
         threads=args.threads,
         build_engine=args.engine,
         progress=sys.stderr.isatty(),

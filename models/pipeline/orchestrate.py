@@ -24,7 +24,7 @@ from models.pipeline.keys import _remove_new_key, _signing_key, _write_new_key
 from models.pipeline.options import MIN_AGENT_VERSION, BuildOptions, BuildResult
 from models.pipeline.outdir import _bundle_path, _check_before_work, _prepare_out_dir
 from models.pipeline.report import (_accuracy_report, _budget_reference, _json_default,
-                                    _quantization_report, _speed_report)
+                                    _quantization_report, _speed_report, _warnings)
 from models.pipeline.sources import _from_onnx, _from_torch
 from models.pipeline.stages import _Stages
 from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, quantize_model
@@ -56,6 +56,7 @@ def _build(options: BuildOptions) -> BuildResult:
         speed = stages.run("host speed check", _speed_report, float_bytes, quantized.model_bytes,
                            meta, options)
         report["speed"] = speed
+        report["warnings"] = _warnings(quantized, meta, speed)
         files, engines = _model_files(work, quantized, meta, options, stages)
 
         manifest = _manifest(name, version, quantized, engines, report["accuracy"], meta, options)
@@ -108,7 +109,8 @@ def _quantize(float_bytes: bytes, evaluator: Evaluator, calibration: Calibration
         calibration,
         evaluator,
         QuantizeConfig(method=options.calib_method, accuracy_budget=options.accuracy_budget,
-                       reference_metric=_budget_reference(meta), progress=options.progress),
+                       reference_metric=_budget_reference(meta), progress=options.progress,
+                       search_time_s=options.search_time_s, allow_no_int8=options.allow_no_int8),
         work / "quantize",
     )
     report["quantization"] = _quantization_report(quantized, options)
