@@ -219,6 +219,48 @@ def test_sequence_scores_are_judged_per_position_on_the_softmax_axis(transposed)
     assert evaluator.scores(changed)[0] == pytest.approx(100.0 * 79 / 80)
 
 
+@pytest.mark.parametrize("convert", [False, True])
+def test_an_old_softmax_over_the_last_axis_names_the_classes(convert):
+    # Before opset 13 a Softmax's axis flattens the tensor from there on; ONNX's version
+    # converter rewrites it as Flatten, Softmax, Reshape. Over the last axis both are per step.
+    from onnx import version_converter
+
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["scores"], name="classifier"),
+             helper.make_node("Softmax", ["scores"], ["probs"], axis=2, name="softmax")]
+    # No shape on the input: the converter cannot tell that axis 2 is the last one.
+    graph = helper.make_graph(nodes, "old", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, None)], [helper.make_tensor_value_info(
+            "probs", TensorProto.FLOAT, ["n", 5, 12])],
+        [numpy_helper.from_array(_weights(rng, (6, 12)), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 6
+    if convert:
+        model = version_converter.convert_version(model, 17)
+        assert [node.op_type for node in model.graph.node][-3:] == ["Flatten", "Softmax", "Reshape"]
+    fact = output_facts(model)["probs"]
+    assert (fact.activation, fact.axis, fact.flattened) == ("softmax", 2, True)
+    samples = np.random.default_rng(2).standard_normal((4, 5, 6)).astype(np.float32)
+    judge = _judges(model, samples)["probs"]
+    assert (judge.kind, judge.axis) == ("classes", 2)
+
+
+def test_scores_flattened_with_their_time_axis_are_not_judged_by_one_argmax():
+    # A recognizer that ends in Reshape(logits [T, C] -> [1, T * C]): one argmax over the row
+    # would compare one character of the whole sequence.
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["logits"], name="classifier"),
+             helper.make_node("Reshape", ["logits", "shape"], ["row"], name="flatten")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["t", 6])],
+                   [helper.make_tensor_value_info("row", TensorProto.FLOAT, [1, "tc"])],
+                   {"w": _weights(rng, (6, 9)), "b": _weights(rng, 9, 0.1),
+                    "shape": np.array([1, -1], np.int64)})
+    assert output_facts(model)["row"].source_size == 9
+    samples = np.random.default_rng(4).standard_normal((7, 6)).astype(np.float32)
+    judge = _judges(model, samples)["row"]
+    assert judge.kind == "cosine" and "reshaped after its last layer" in judge.reason
+
+
 def test_integer_outputs_are_judged_by_exact_agreement(tmp_path):
     model = _sequence()
     samples = np.random.default_rng(3).standard_normal((64, 5, 6)).astype(np.float32)

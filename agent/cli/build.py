@@ -54,17 +54,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--finetune-epochs", type=int,
                        help="epochs of fine-tuning after each pruning step (default: 12)")
     build.add_argument("--calib-samples", type=int, default=512, metavar="N",
-                       help="calibration samples to use (500-1000 recommended)")
+                       help="calibration samples to use (500-1000 recommended). Without "
+                            "labels INT8 is judged on samples of --calib-dir held out from "
+                            "calibration: the first N files (name order) calibrate, the next "
+                            "ones (up to 256) judge; with fewer than N + 32 files, 32 (at most "
+                            "half of them) are held out and fewer calibrate")
     build.add_argument("--calib-method", choices=("entropy", "percentile", "minmax"),
                        default="entropy", help="how INT8 ranges are chosen")
     build.add_argument("--accuracy-budget", type=float, default=1.0, metavar="POINTS",
                        help="largest drop allowed in each agreement judge (top-1, class or "
                             "decision agreement, your --evaluator's score), in points; after "
-                            "pruning it counts from the unpruned model. Without labels, INT8 is "
-                            "judged on samples of --calib-dir held out from calibration: the "
-                            "first --calib-samples files calibrate, the next (up to 256) judge; "
-                            "with fewer than --calib-samples + 32 files, 32 (at most half) are "
-                            "held out")
+                            "pruning it counts from the unpruned model")
     build.add_argument("--key", type=Path, help="Ed25519 private key (PEM) to sign with")
     build.add_argument("--out", type=Path, default=Path("out"), metavar="DIR",
                        help="where the bundle, report and a new key go")

@@ -27,7 +27,8 @@ from models.pipeline.report import (_accuracy_report, _budget_reference, _json_d
                                     _quantization_report, _speed_report, _warnings)
 from models.pipeline.sources import _from_onnx, _from_torch
 from models.pipeline.stages import _Stages
-from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, quantize_model
+from models.quantize import (Evaluator, QuantizeConfig, QuantizeResult, finite_or_none,
+                             quantize_model)
 
 
 def build(options: BuildOptions) -> BuildResult:
@@ -116,8 +117,8 @@ def _quantize(float_bytes: bytes, evaluator: Evaluator, calibration: Calibration
     report["quantization"] = _quantization_report(quantized, options)
     report["accuracy"] = _accuracy_report(quantized, meta, options)
     # What a CPU daemon will answer: its ONNX Runtime backend folds ReLUs (models.ort_relu).
-    report["accuracy"]["int8_onnxruntime_served"] = round(
-        evaluator.score(evaluator.outputs(quantized.model_bytes, fold_relu=True)), 3)
+    report["accuracy"]["int8_onnxruntime_served"] = finite_or_none(
+        evaluator.score(evaluator.outputs(quantized.model_bytes, fold_relu=True)), 4)
     return quantized
 
 

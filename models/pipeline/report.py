@@ -177,9 +177,10 @@ def format_summary(result: BuildResult) -> str:
                      f"{layers} layer(s) in FP16)")
     else:
         lines.append(f"  INT8, mixed        {layers} layer(s) in FP16, every judge above passed")
-    if "int8_onnxruntime_served" in accuracy and accuracy["int8_onnxruntime_served"] is not None:
-        lines.append(f"  INT8, served (CPU) {accuracy['int8_onnxruntime_served']:.2f}  (ONNX Runtime "
-                     "folds ReLUs into a finer UINT8 step; TensorRT runs the line above)")
+    if "int8_onnxruntime_served" in accuracy:
+        served = _score_text(accuracy["metric"], accuracy["int8_onnxruntime_served"])
+        lines.append(f"  INT8, served (CPU) {served}  (ONNX Runtime folds ReLUs into a finer "
+                     "UINT8 step; TensorRT runs the model judged above)")
     if fp16:
         shown = ", ".join(fp16[:12]) + (f", ... {len(fp16) - 12} more" if len(fp16) > 12 else "")
         lines.append("  FP16 layers: " + shown)

@@ -19,6 +19,7 @@ from agent.errors import InternalError
 from models.ort import create_session
 from models.quantize.judges import (
     CustomJudge,
+    Judge,
     OutputJudge,
     choose_judges,
     cosine_score,
@@ -120,7 +121,7 @@ class Evaluator:
         batch_size: int = 128,
         threads: int = 2,
         *,
-        judges: Sequence[Any] | None = None,
+        judges: Sequence[Judge] | None = None,
         class_axis: int = 1,
     ) -> None:
         if labels is None and reference is None:
@@ -133,7 +134,7 @@ class Evaluator:
         self.batch_size = batch_size
         self.threads = threads
         if judges is not None:
-            self.judges = list(judges)
+            self.judges: list[Judge] = list(judges)
         elif self.reference is not None:
             self.judges = choose_judges(self.reference, labels=labels is not None,
                                         class_axis=class_axis)
@@ -147,7 +148,7 @@ class Evaluator:
         return int(next(iter(self.inputs.values())).shape[0])
 
     @property
-    def primary(self) -> Any:
+    def primary(self) -> Judge:
         """The judge whose score is the build's headline metric: the user's evaluator, else
         top-1 against the labels, else the first output's judge."""
         return self.judges[0]
@@ -208,7 +209,7 @@ class Evaluator:
     def verdict(self, scores: Sequence[float], baseline: Sequence[float], budget: float,
                 reference_metric: float | None = None) -> Verdict:
         """Whether each held judge's score is within its tolerance: a drop from ``baseline`` of
-        at most its tolerance (``budget`` by default; the primary's drop counted from
+        at most its tolerance (``budget`` by default; a primary top-1's drop counted from
         ``reference_metric`` when given, the unpruned model's top-1 after pruning), or at
         least its minimum."""
         passed = []
@@ -216,14 +217,19 @@ class Evaluator:
             if not judge.held:
                 passed.append(True)
             elif judge.agreement:
-                start = reference_metric if index == 0 and reference_metric is not None else base
+                start = base
+                if reference_metric is not None and index == 0 and judge.kind == "top1":
+                    start = reference_metric
                 limit = budget if judge.tolerance is None else judge.tolerance
                 passed.append(start - score <= limit + _SLACK)
             else:
-                passed.append(score >= judge.tolerance - _SLACK)
+                minimum = judge.tolerance
+                if minimum is None:
+                    raise InternalError(f"fidelity judge {judge.name!r} has no minimum")
+                passed.append(score >= minimum - _SLACK)
         return Verdict(tuple(float(score) for score in scores), tuple(passed))
 
-    def predictions(self, judge: Any) -> int:
+    def predictions(self, judge: Judge) -> int:
         """How many predictions an agreement judge counts (0 for others): one per sample, per
         position for class maps, per value for decisions and exact agreement."""
         if not isinstance(judge, OutputJudge) or not judge.agreement:

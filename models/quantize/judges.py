@@ -84,14 +84,23 @@ class OutputFacts:
         activation: ``"softmax"``, ``"sigmoid"`` or ``"relu"`` where one ends the output
             (behind ops that keep its shape), else None.
         axis: The softmax's axis as an axis of the output (may be negative: from the end).
+        flattened: The softmax runs over every axis from ``axis`` on, flattened (a Softmax
+            before opset 13, or the Flatten/Softmax/Reshape that ONNX's version converter makes
+            of one): per-axis classes only where ``axis`` is the last axis.
         source: The op that made the output's values, behind ops that only rearrange them
             (``"Concat"``, ``"MatMul"``, ``"Gemm"``, ``"Conv"``, ...).
+        source_size: Where a Reshape or Flatten lies between that op and the output: the
+            number of values per sample that op made (static axes after the first), None
+            when unknown or not reshaped. A last axis of another size merged several axes
+            (a sequence of scores flattened into one row): its classes cannot be told.
         layout: ``"NCHW"`` or ``"NHWC"`` for a 4-D output, else None.
     """
 
     activation: str | None = None
     axis: int | None = None
+    flattened: bool = False
     source: str | None = None
+    source_size: int | None = None
     layout: str | None = None
 
 
@@ -108,15 +117,38 @@ def output_facts(model: Any, output_layout: str | None = None) -> dict[str, Outp
     opset = max((entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")),
                 default=13)
     input_layout = image_layout(model, inputs[0])
+    sizes: dict[str, int] | None = None
     facts = {}
     for spec in outputs:
-        activation, axis = _activation(spec.name, producers, constants, opset)
+        activation, axis, flattened = _activation(spec.name, producers, constants, opset)
+        source, reshaped_from = _source(spec.name, producers, constants)
+        source_size = None
+        if reshaped_from is not None:
+            sizes = _sample_sizes(model) if sizes is None else sizes
+            source_size = sizes.get(reshaped_from)
         layout = None
         if len(spec.shape) == 4:
             layout = output_layout or told_layout(model, spec, input_layout)
-        facts[spec.name] = OutputFacts(activation, axis, _source(spec.name, producers, constants),
-                                       layout)
+        facts[spec.name] = OutputFacts(activation, axis, flattened, source, source_size, layout)
     return facts
+
+
+def _sample_sizes(model: Any) -> dict[str, int]:
+    """Tensor name -> values per sample (the product of its static axes after the first), for
+    the tensors whose shape ONNX's shape inference tells."""
+    import onnx
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception as exc:  # noqa: BLE001 - onnx raises several types; go without sizes
+        log.debug("shape inference for the judges failed: %s", exc)
+        return {}
+    sizes = {}
+    for value in inferred.graph.value_info:
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) >= 2 and all(dim.HasField("dim_value") for dim in dims[1:]):
+            sizes[value.name] = int(np.prod([dim.dim_value for dim in dims[1:]]))
+    return sizes
 
 
 def _data_input(node: Any, constants: set[str]) -> str | None:
@@ -124,59 +156,89 @@ def _data_input(node: Any, constants: set[str]) -> str | None:
     return next((name for name in node.input if name and name not in constants), None)
 
 
+def _attribute(node: Any, name: str, default: int) -> int:
+    return next((int(attribute.i) for attribute in node.attribute if attribute.name == name),
+                default)
+
+
 def _activation(name: str, producers: Mapping[str, Any], constants: set[str],
-                opset: int) -> tuple[str | None, int | None]:
-    """The activation that ends tensor ``name``, and a softmax's axis as an axis of ``name``."""
+                opset: int) -> tuple[str | None, int | None, bool]:
+    """The activation that ends tensor ``name``, a softmax's axis as an axis of ``name``, and
+    whether that softmax runs over the axes from there on flattened (see
+    :attr:`OutputFacts.flattened`)."""
     # to_output[axis of the tensor reached] = the output's axis; None until a Transpose fixes the
     # rank, then the axes follow each permutation.
     to_output: list[int] | None = None
     for _ in range(_WALK_LIMIT):
         node = producers.get(name)
         if node is None:
-            return None, None
-        attributes = {attribute.name: attribute for attribute in node.attribute}
+            return None, None, False
         if node.op_type in ("Softmax", "LogSoftmax"):
-            # Before opset 13 the axis flattens the tensor from there on: the same as one axis
-            # only when it is the last one.
-            default = -1 if opset >= 13 else 1
-            axis = attributes["axis"].i if "axis" in attributes else default
-            if opset < 13 and axis != -1 and not (to_output is not None
-                                                  and axis == len(to_output) - 1):
-                return None, None
+            # Before opset 13 the axis flattens the tensor from there on.
+            axis = _attribute(node, "axis", -1 if opset >= 13 else 1)
+            flattened = opset < 13 and axis != -1
             if to_output is not None:
+                if flattened:
+                    return None, None, False  # a flattened softmax behind a Transpose
                 axis = to_output[axis % len(to_output)]
-            return "softmax", axis
+            return "softmax", axis, flattened
+        if node.op_type == "Reshape" and to_output is None:
+            converted = _converted_softmax(node, producers)
+            if converted is not None:
+                return "softmax", converted, True
         if node.op_type in _ACTIVATIONS:
-            return _ACTIVATIONS[node.op_type], None
-        if node.op_type == "Transpose" and "perm" in attributes:
-            perm = list(attributes["perm"].ints)
+            return _ACTIVATIONS[node.op_type], None, False
+        if node.op_type == "Transpose":
+            perm = [int(axis) for attribute in node.attribute if attribute.name == "perm"
+                    for axis in attribute.ints]
+            if not perm:
+                return None, None, False
             if to_output is None:
                 to_output = list(range(len(perm)))
             # output = transpose(input, perm): the input's axis j is the output's perm.index(j).
             to_output = [to_output[perm.index(axis)] for axis in range(len(perm))]
         elif node.op_type not in _SHAPE_KEEPING_OPS:
+            return None, None, False
+        data = _data_input(node, constants)
+        if data is None:
+            return None, None, False
+        name = data
+    return None, None, False
+
+
+def _converted_softmax(reshape: Any, producers: Mapping[str, Any]) -> int | None:
+    """The axis of an old Softmax that ONNX's version converter rewrote as
+    ``Reshape(Softmax(Flatten(x, axis), axis=-1), Shape(x))``, else None."""
+    if len(reshape.input) < 2:
+        return None
+    shape, softmax = producers.get(reshape.input[1]), producers.get(reshape.input[0])
+    if shape is None or shape.op_type != "Shape" or softmax is None or softmax.op_type not in (
+            "Softmax", "LogSoftmax") or _attribute(softmax, "axis", -1) not in (-1, 1):
+        return None
+    flatten = producers.get(softmax.input[0])
+    if flatten is None or flatten.op_type != "Flatten" or flatten.input[0] != shape.input[0]:
+        return None
+    return _attribute(flatten, "axis", 1)
+
+
+def _source(name: str, producers: Mapping[str, Any], constants: set[str]
+            ) -> tuple[str | None, str | None]:
+    """The op that made the values of tensor ``name`` (behind rearranging ops and biases), and
+    where a Reshape or Flatten lies between, the tensor that op made."""
+    reshaped = False
+    for _ in range(_WALK_LIMIT):
+        node = producers.get(name)
+        if node is None:
             return None, None
+        if node.op_type not in _REARRANGING_OPS and node.op_type not in ("Add", "Identity",
+                                                                         "Cast"):
+            return str(node.op_type), name if reshaped else None
+        reshaped = reshaped or node.op_type in ("Reshape", "Flatten")
         data = _data_input(node, constants)
         if data is None:
             return None, None
         name = data
     return None, None
-
-
-def _source(name: str, producers: Mapping[str, Any], constants: set[str]) -> str | None:
-    """The op that made the values of tensor ``name`` (behind rearranging ops and biases)."""
-    for _ in range(_WALK_LIMIT):
-        node = producers.get(name)
-        if node is None:
-            return None
-        if node.op_type not in _REARRANGING_OPS and node.op_type not in ("Add", "Identity",
-                                                                         "Cast"):
-            return str(node.op_type)
-        data = _data_input(node, constants)
-        if data is None:
-            return None
-        name = data
-    return None
 
 
 # --- the user's choices --------------------------------------------------------------------------
@@ -249,10 +311,17 @@ class Judge(Protocol):
     """What the evaluator needs of a judge: its name, kind, whether it is held, its tolerance
     (None: the accuracy budget), and its score of candidate outputs against FP32 ones."""
 
-    name: str
-    kind: str
-    held: bool
-    tolerance: float | None
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def held(self) -> bool: ...
+
+    @property
+    def tolerance(self) -> float | None: ...
 
     @property
     def agreement(self) -> bool: ...
@@ -332,7 +401,8 @@ class OutputJudge:
 
     def describe(self) -> str:
         what = {
-            "top1": f"top-1 against the labels (argmax over axis {self.axis or 1})",
+            "top1": ("top-1 against the labels" + (f" (argmax over axis {self.axis})"
+                                                   if self.axis is not None else "")),
             "classes": f"agreement of the class (argmax over axis {self.axis})",
             "decision": f"agreement of the decision output > {self.threshold:g}",
             "exact": "exact agreement of every value",
@@ -404,7 +474,7 @@ class CustomJudge:
     def score(self, reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray],
               labels: np.ndarray | None) -> float:
         try:
-            value = self.function(dict(reference), dict(candidate), labels)
+            value = self.function(_read_only(reference), _read_only(candidate), labels)
         except Exception as exc:  # noqa: BLE001 - the user's code failed
             raise QuantizationError(f"the evaluator '{self.name}' failed: "
                                     f"{type(exc).__name__}: {first_line(exc)} (it is called as "
@@ -434,13 +504,23 @@ class CustomJudge:
                 "why": "--evaluator", "chosen_by": "--evaluator", "held": True}
 
 
+def _read_only(outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Views the user's code cannot write into (the FP32 outputs are judged again later)."""
+    views = {}
+    for name, array in outputs.items():
+        view = array.view()
+        view.flags.writeable = False
+        views[name] = view
+    return views
+
+
 # --- the choice ----------------------------------------------------------------------------------
 
 
 def choose_judges(reference: Mapping[str, np.ndarray], *, labels: bool = False,
                   facts: Mapping[str, OutputFacts] | None = None,
                   overrides: Sequence[OutputMetric] = (), custom: CustomJudge | None = None,
-                  class_axis: int = 1) -> list[Any]:
+                  class_axis: int = 1) -> list[Judge]:
     """A judge for every output of ``reference`` (the FP32 outputs by name, in the graph's
     order), by the rules of the module docstring; the user's evaluator first when given (it
     decides, and outputs it does not name in ``overrides`` are reported only).
@@ -468,7 +548,7 @@ def choose_judges(reference: Mapping[str, np.ndarray], *, labels: bool = False,
     facts = facts or {}
     told = {name for name in names
             if _told(reference[name], facts.get(name, OutputFacts()))}
-    judges: list[Any] = [custom] if custom is not None else []
+    judges: list[Judge] = [custom] if custom is not None else []
     for index, name in enumerate(names):
         fact = facts.get(name) or OutputFacts(layout=_default_layout(reference[name], class_axis))
         labelled = labels and index == 0
@@ -495,11 +575,22 @@ def _told(array: np.ndarray, fact: OutputFacts) -> bool:
     return array.dtype.kind in "biu" or fact.activation in ("softmax", "sigmoid")
 
 
+def _softmax_axis(array: np.ndarray, fact: OutputFacts) -> int | None:
+    """The axis a softmax ending ``array`` runs over, where it is one axis."""
+    if fact.activation != "softmax" or fact.axis is None or array.ndim < 2:
+        return None
+    axis = fact.axis % array.ndim
+    if fact.flattened and axis != array.ndim - 1:
+        return None  # over several axes at once
+    return axis
+
+
 def _class_axis(array: np.ndarray, fact: OutputFacts) -> int:
     """Where the classes of ``array`` lie: the softmax's axis, a 4-D layout's channel axis, else
     the last axis."""
-    if fact.activation == "softmax" and fact.axis is not None and array.ndim >= 2:
-        return fact.axis % array.ndim
+    axis = _softmax_axis(array, fact)
+    if axis is not None:
+        return axis
     if array.ndim == 4:
         return 3 if fact.layout == "NHWC" else 1
     return max(array.ndim - 1, 1)
@@ -513,8 +604,9 @@ def _automatic(name: str, array: np.ndarray, fact: OutputFacts, *, labelled: boo
                            axis=_class_axis(array, fact) if array.ndim > 1 else None)
     if array.dtype.kind in "biu":
         return OutputJudge(name, "exact", f"{array.dtype} values (indices, ids): exact agreement")
-    if fact.activation == "softmax" and fact.axis is not None and array.ndim >= 2:
-        axis = fact.axis % array.ndim
+    softmax_axis = _softmax_axis(array, fact)
+    if softmax_axis is not None:
+        axis = softmax_axis
         if axis != 0 and array.shape[axis] > 1:
             where = ("per sample" if array.ndim == 2
                      else "at every position")
@@ -534,6 +626,11 @@ def _automatic(name: str, array: np.ndarray, fact: OutputFacts, *, labelled: boo
     if fact.source == "Concat":
         return _fidelity(name, array, "concatenated heads (e.g. boxes beside their scores): "
                                       "regression")
+    if fact.source_size is not None and array.ndim in (2, 3) and (
+            fact.source_size != int(np.prod(array.shape[1:]))):
+        return _fidelity(name, array, f"reshaped after its last layer ({fact.source}, "
+                                      f"{fact.source_size} values a sample, into "
+                                      f"{list(array.shape[1:])}): no class axis can be told")
     if array.ndim == 2:
         return OutputJudge(name, "classes", "2-D scores, no softmax in the graph: class logits, "
                            "the class judged per sample", axis=1)

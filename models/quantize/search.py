@@ -305,7 +305,9 @@ def measure_sensitivity(
             next_report = done + 0.1
     if bar is not None:
         bar.close()
-    results.sort(key=lambda layer: (layer.sqnr_db, layer.name))
+    # Most sensitive first; a NaN (an output holding NaN) counts as the most sensitive.
+    results.sort(key=lambda layer: (-math.inf if math.isnan(layer.sqnr_db) else layer.sqnr_db,
+                                    layer.name))
     measured_names = {layer.name for layer in results}
     complete = len(results) == total
     results += [LayerSensitivity(name, op_type, float("nan"), float("nan"), "")
@@ -502,7 +504,9 @@ def quantize_model(
     clock = _Clock(config.search_time_s)
     sensitivity: list[LayerSensitivity] = []
     summary: dict[str, Any]
-    if full.verdict.ok or not candidates:
+    if not full.verdict.ok and not candidates:
+        raise _unreachable(search, full)  # nothing to keep out of INT8: the model is as it is
+    if full.verdict.ok:
         kept_out: list[str] = []
         final = full
         summary = _summary(search, [], None)
@@ -584,7 +588,9 @@ def _reference_metric(evaluator: Evaluator, baseline: tuple[float, ...],
     """What the primary judge's drop is counted from; refused when the float model alone
     already spends more than the budget."""
     float_metric = baseline[0]
-    reference = float_metric if config.reference_metric is None else config.reference_metric
+    if config.reference_metric is None or evaluator.primary.kind != "top1":
+        return float_metric  # the reference is a top-1 (the unpruned model's)
+    reference = config.reference_metric
     if reference - float_metric > config.accuracy_budget:
         raise QuantizationError(
             "the float model is already further below the reference than the accuracy budget "
