@@ -1067,3 +1067,22 @@ def test_the_held_out_split_follows_its_rule(tmp_path, files, asked, expected):
     # The held-out samples follow the calibration ones: no sample does both.
     assert held_out.arrays["x"][0, 0] == calibration.arrays["x"][-1, 0] + 2
     assert bool(samples["warnings"]) == (files - asked < 32)
+
+
+def test_a_build_keeping_most_layers_out_of_int8_says_so_with_its_speed():
+    from models.pipeline.report import _warnings
+    from models.quantize import QuantizeResult
+
+    def result(kept_out: int, candidates: int) -> QuantizeResult:
+        names = [f"conv{index}" for index in range(candidates)]
+        return QuantizeResult(b"", "agreement", 100.0, 90.0, 99.5, names[kept_out:],
+                              names[:kept_out], [], [], {}, {}, 100.0,
+                              candidate_count=candidates, warnings=["from the search"])
+
+    meta = {"samples": {"warnings": ["from the split"]}}
+    [split, search, most] = _warnings(result(3, 4), meta, {"int8_speedup": 1.05})
+    assert (split, search) == ("from the split", "from the search")
+    assert most.startswith("3 of 4 layers (75%) are kept out of INT8")
+    assert "runs at 1.05x the FP32 model's speed on this host" in most
+    assert _warnings(result(2, 4), meta, {"int8_speedup": 1.8}) == ["from the split",
+                                                                   "from the search"]

@@ -103,9 +103,6 @@ def _warnings(result: QuantizeResult, meta: dict[str, Any], speed: dict[str, Any
             f"INT8 (FP16 on the board): the INT8 model runs at {speed['int8_speedup']:.2f}x "
             "the FP32 model's speed on this host; check the judges (--output-metric, "
             "--accuracy-budget) before deploying it as an INT8 build")
-    elif result.fp16_throughout and "int8_speedup" in speed:
-        warnings.append(f"FP16 throughout: on this host the bundle's model runs at "
-                        f"{speed['int8_speedup']:.2f}x the FP32 model's speed")
     return warnings
 
 

@@ -6,6 +6,7 @@
   the user says: ``--output-metric``, ``--evaluator``), and the fidelity measures;
 - :mod:`models.quantize.evaluate`: running models on fixed samples and judging every output
   (:class:`Evaluator`);
+- :mod:`models.quantize.fp16`: kept-out layers judged as the board runs them, in FP16;
 - :mod:`models.quantize.search`: the mixed-precision search and :func:`quantize_model`, which
   runs calibration, sensitivity and search for the build.
 """

@@ -407,7 +407,7 @@ class OutputJudge:
             "decision": f"agreement of the decision output > {self.threshold:g}",
             "exact": "exact agreement of every value",
             "cosine": "mean cosine per sample against FP32",
-            "sqnr": "SQNR against FP32, dB",
+            "sqnr": "SQNR against FP32 (dB)",
         }[self.kind]
         return what
 
