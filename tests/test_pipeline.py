@@ -457,7 +457,7 @@ def test_build_from_onnx_calibrates_on_images_and_records_their_preprocessing(
     model_path, _ = digits_onnx
     calib = tmp_path / "frames"
     calib.mkdir()
-    raw = load_digits().images[:64]  # real 8x8 digits, 0..16
+    raw = load_digits().images[:96]  # real 8x8 digits, 0..16
     for index, digit in enumerate(raw):
         gray = (digit * (255.0 / 16.0)).astype(np.uint8)
         image_module.fromarray(np.stack([gray] * 3, axis=-1)).save(calib / f"d{index:03d}.png")
@@ -471,7 +471,9 @@ def test_build_from_onnx_calibrates_on_images_and_records_their_preprocessing(
     manifest = inspect_bundle(bundle)["manifest"]
     assert manifest["preprocessing"]["resize"] == [16, 16]
     assert manifest["preprocessing"]["mean"] == [0.5, 0.5, 0.5]
+    # The first 64 images calibrate, the other 32 are held out to judge INT8.
     assert manifest["calibration"]["samples"] == 64
+    assert manifest["accuracy"]["samples"]["judged"] == 32
 
 
 # -- bad input found by probing the command line -------------------------------------------
