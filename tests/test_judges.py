@@ -533,3 +533,42 @@ def test_a_users_judge_of_fidelity_needs_no_budget_points():
     assert judge.tolerance == 0.99 and not judge.agreement
     assert judge.limit_text(1.0) == ">= 0.99"
     assert OutputJudge("boxes", "sqnr", "test").limit_text(1.0) == ">= 20.0 dB"
+
+
+def test_a_mostly_empty_mask_is_judged_by_the_iou_of_what_it_holds():
+    # Text in a photo: 0.5% of the positions above 0.5. INT8 losing all of it keeps 99.5% of the
+    # positions' decisions, and an IoU of 0.
+    mask = np.full((2, 1, 20, 20), 0.01, np.float32)
+    mask[0, 0, 3, :4] = 0.9
+    empty = np.full_like(mask, 0.01)
+    judge = OutputJudge("mask", "decision", "test", threshold=0.5, dense=True)
+    assert judge.score({"mask": mask}, {"mask": empty}, None) == 0.0
+    assert judge.score({"mask": mask}, {"mask": mask}, None) == 100.0
+    assert judge.score({"mask": empty}, {"mask": empty}, None) == 100.0  # nothing in either
+    share = OutputJudge("mask", "decision", "test", threshold=0.5)
+    assert share.score({"mask": mask}, {"mask": empty}, None) == pytest.approx(99.5)
+
+
+def test_concatenated_heads_are_judged_each_on_its_own():
+    # YOLOv8's [N, 4 + classes, anchors]: boxes in pixels beside scores in [0, 1]. INT8 that
+    # rounds every score to zero leaves the cosine of the whole at the boxes'.
+    rng = np.random.default_rng(11)
+    nodes = [helper.make_node("Conv", ["x", "wb", "bb"], ["boxes"], name="box_conv"),
+             helper.make_node("Conv", ["x", "ws", "bs"], ["logits"], name="score_conv"),
+             helper.make_node("Sigmoid", ["logits"], ["scores"], name="sigmoid"),
+             helper.make_node("Concat", ["boxes", "scores"], ["head"], axis=1, name="concat")]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8, 30])],
+                   [helper.make_tensor_value_info("head", TensorProto.FLOAT, ["n", 7, 30])],
+                   {"wb": _weights(rng, (4, 8, 1), 20.0), "bb": np.full(4, 160.0, np.float32),
+                    "ws": _weights(rng, (3, 8, 1)), "bs": np.full(3, -3.0, np.float32)})
+    assert output_facts(model)["head"].parts == (1, (4, 3))
+    samples = rng.standard_normal((6, 8, 30)).astype(np.float32)
+    judge = _judges(model, samples)["head"]
+    assert (judge.kind, judge.axis, judge.parts) == ("cosine", 1, (4, 3))
+    assert "each of the parts 4 + 3 on axis 1" in judge.reason
+    head = all_model_outputs(model.SerializeToString(), {"x": samples})["head"]
+    rounded = head.copy()
+    rounded[:, 4:] = 0.0
+    assert cosine_score(head, rounded) > 0.999  # the premise: the whole hides it
+    assert judge.score({"head": head}, {"head": rounded}, None) < 0.5
+    assert judge.score({"head": head}, {"head": head}, None) == pytest.approx(1.0)

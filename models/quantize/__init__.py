@@ -3,7 +3,9 @@
 - :mod:`models.quantize.qdq`: the QDQ format TensorRT needs and :class:`QdqQuantizer`, which
   calibrates once and quantizes with ONNX Runtime's ``quantize_static``;
 - :mod:`models.quantize.judges`: how each output is judged against FP32 (by what it is, or as
-  the user says: ``--output-metric``, ``--evaluator``), and the fidelity measures;
+  the user says: ``--output-metric``, ``--evaluator``), from what the graph tells
+  (:mod:`~models.quantize.graph_facts`) and with the measures of
+  :mod:`~models.quantize.measures`;
 - :mod:`models.quantize.evaluate`: running models on fixed samples and judging every output
   (:class:`Evaluator`);
 - :mod:`models.quantize.fp16`: kept-out layers judged as the board runs them, in FP16;
@@ -26,18 +28,20 @@ from models.quantize.evaluate import (
     output_fidelity,
     warn_about_unjudged_outputs,
 )
+from models.quantize.graph_facts import OutputFacts, output_facts
 from models.quantize.judges import (
     DEFAULT_MIN_COSINE,
     DEFAULT_MIN_SQNR_DB,
     USER_METRICS,
     CustomJudge,
-    OutputFacts,
     OutputJudge,
     OutputMetric,
     choose_judges,
+)
+from models.quantize.measures import (
     cosine_score,
     cosine_similarity,
-    output_facts,
+    decision_iou,
     sqnr_db,
     top1_classes,
 )
@@ -84,6 +88,7 @@ __all__ = [
     "choose_judges",
     "cosine_score",
     "cosine_similarity",
+    "decision_iou",
     "fidelity",
     "finite_or_none",
     "format_sensitivity",

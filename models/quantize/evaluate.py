@@ -17,14 +17,8 @@ import numpy as np
 
 from agent.errors import InternalError
 from models.ort import create_session
-from models.quantize.judges import (
-    CustomJudge,
-    Judge,
-    OutputJudge,
-    choose_judges,
-    cosine_score,
-    sqnr_db,
-)
+from models.quantize.judges import CustomJudge, Judge, OutputJudge, choose_judges
+from models.quantize.measures import cosine_score, sqnr_db
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +234,10 @@ class Evaluator:
             self.reference[judge.name].shape
         if judge.kind == "classes" and judge.axis is not None:
             return int(np.prod([size for axis, size in enumerate(shape) if axis != judge.axis]))
+        if judge.kind == "decision" and judge.dense:
+            # An IoU counts the positions above the threshold (FP32's, at least).
+            want = self.reference[judge.name] if judge.name else next(iter(self.reference.values()))
+            return int(np.count_nonzero(want > judge.threshold))
         return int(np.prod(shape))
 
     def __call__(self, model_bytes: bytes) -> float:

@@ -42,7 +42,8 @@ from models.quantize.evaluate import (
     warn_about_unjudged_outputs,
 )
 from models.quantize.fp16 import emulate_fp16, float_tensors
-from models.quantize.judges import OutputJudge, cosine_score, sqnr_db
+from models.quantize.judges import OutputJudge
+from models.quantize.measures import cosine_score, sqnr_db
 from models.quantize.qdq import CALIBRATION_METHODS, QdqQuantizer, quantized_layers
 
 log = logging.getLogger(__name__)
