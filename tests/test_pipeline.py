@@ -127,7 +127,12 @@ def test_build_from_onnx_uses_agreement_without_labels(tmp_path, keys, digits_on
     assert report["accuracy"]["metric"] == "agreement"
     assert report["accuracy"]["fp32"] == 100.0
     assert report["name"] == "digits"
-    assert report["quantization"]["calibration"]["samples"] == 96
+    # Without labels, samples held out from calibration judge: the directory's 96 are fewer
+    # than --calib-samples 96 plus 32, so 32 are held out.
+    assert report["quantization"]["calibration"]["samples"] == 64
+    assert report["accuracy"]["samples"]["judged"] == 32
+    assert report["accuracy"]["dataset"].startswith("32 held-out samples")
+    assert any("64 calibrate and the last 32 judge" in warning for warning in report["warnings"])
 
 
 def test_a_build_with_relative_paths(tmp_path, keys, digits_onnx, monkeypatch):
@@ -414,13 +419,18 @@ def test_build_from_a_user_model_with_two_outputs(tmp_path, keys, digits_onnx, c
                  "--out", str(out), "--calib-samples", "96"]) == 0
     bundle = open_bundle(out / "make_two_headed_cnn-1.bundle", [load_public_key(Path(f"{keys}.pub"))])
     assert [output["name"] for output in bundle.manifest["outputs"]] == ["logits", "probabilities"]
-    # Each output is compared with FP32; only the first was held to the budget.
+    # Each output is judged: the probabilities (a softmax) by their class, the logits beside
+    # them as regression, by their cosine.
     report = json.loads((out / "report.json").read_text())
     assert [(output["name"], output["judged_by_budget"]) for output in report["accuracy"]["outputs"]] \
-        == [("logits", True), ("probabilities", False)]
+        == [("logits", True), ("probabilities", True)]
     assert all(output["sqnr_db"] > 10.0 for output in report["accuracy"]["outputs"])
-    assert "probabilities" in capsys.readouterr().out.split("outputs, INT8 against FP32:")[1]
-    # Both run in the INT8 model, and the first one is what the budget judged.
+    assert [(judge["output"], judge["judge"], judge["held"])
+            for judge in report["accuracy"]["judges"]] == [("logits", "cosine", True),
+                                                          ("probabilities", "classes", True)]
+    table = capsys.readouterr().out.split("accuracy (")[1]
+    assert "logits" in table and "probabilities" in table and ">= 0.99" in table
+    # Both run in the INT8 model.
     from models.ort import create_session
 
     extracted = bundle.extract(tmp_path / "installed")
@@ -454,7 +464,7 @@ def test_build_from_onnx_calibrates_on_images_and_records_their_preprocessing(
     model_path, _ = digits_onnx
     calib = tmp_path / "frames"
     calib.mkdir()
-    raw = load_digits().images[:64]  # real 8x8 digits, 0..16
+    raw = load_digits().images[:96]  # real 8x8 digits, 0..16
     for index, digit in enumerate(raw):
         gray = (digit * (255.0 / 16.0)).astype(np.uint8)
         image_module.fromarray(np.stack([gray] * 3, axis=-1)).save(calib / f"d{index:03d}.png")
@@ -468,7 +478,9 @@ def test_build_from_onnx_calibrates_on_images_and_records_their_preprocessing(
     manifest = inspect_bundle(bundle)["manifest"]
     assert manifest["preprocessing"]["resize"] == [16, 16]
     assert manifest["preprocessing"]["mean"] == [0.5, 0.5, 0.5]
+    # The first 64 images calibrate, the other 32 are held out to judge INT8.
     assert manifest["calibration"]["samples"] == 64
+    assert manifest["accuracy"]["samples"]["judged"] == 32
 
 
 # -- bad input found by probing the command line -------------------------------------------
@@ -892,7 +904,7 @@ def test_a_binary_mask_is_judged_by_its_decision(tmp_path, keys):
                 "--accuracy-budget", "100")
     accuracy = json.loads((tmp_path / "out" / "report.json").read_text())["accuracy"]
     assert accuracy["metric"] == "agreement"
-    assert accuracy["metric_description"].startswith("agreement of the decision output > 0")
+    assert accuracy["metric_description"].startswith("IoU of the positions where output > 0")
     assert accuracy["int8_all_layers"] < 100.0  # argmax over one channel said 100 whatever changed
 
 
@@ -944,3 +956,143 @@ def test_a_user_model_that_branches_on_its_input_is_refused_at_export(tmp_path, 
                   str(calib), "--key", str(keys), "--out", str(tmp_path / "out")], capsys)
     assert "ONNX output differs from PyTorch" in err and "a branch or loop" in err
     assert _outputs(tmp_path / "out") == set()
+
+
+# --- every output judged, the user's judges, the search's outcome --------------------------------
+
+
+def _tiny_onnx(tmp_path: Path, layers: int) -> tuple[Path, Path]:
+    """A chain of ``layers`` Gemm layers (tests.test_judges) and 48 calibration samples."""
+    from tests.test_judges import _chain
+
+    path = tmp_path / "chain.onnx"
+    onnx.save(_chain(layers), str(path))
+    rng = np.random.default_rng(0)
+    return path, write_samples(tmp_path / "c", rng.standard_normal((48, 16)).astype(np.float32))
+
+
+def test_an_output_metric_for_no_output_is_refused_with_the_outputs(tmp_path, keys, capsys):
+    model, calib = _tiny_onnx(tmp_path, 2)
+    err = _fails(["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
+                  "--out", str(tmp_path / "out"), "--output-metric", "output=cosine"], capsys)
+    assert "--output-metric names no output of the model" in err and "outputs=out" in err
+    err = _fails(["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
+                  "--out", str(tmp_path / "out"), "--output-metric", "out=l2"], capsys)
+    assert "choose one of agreement, top1, decision, exact, cosine, sqnr, ignore" in err
+    assert _outputs(tmp_path / "out") == set()
+
+
+def test_a_build_that_keeps_every_layer_out_of_int8_is_refused_unless_allowed(tmp_path, keys,
+                                                                              capsys):
+    # One layer and an SQNR of 45 dB: INT8 gives about 22, FP16 about 70.
+    model, calib = _tiny_onnx(tmp_path, 1)
+    args = ["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
+            "--calib-samples", "24", "--output-metric", "out=sqnr:45"]
+    err = _fails([*args, "--out", str(tmp_path / "refused")], capsys)
+    assert "no layer runs in INT8, so this is not an INT8 build" in err
+    assert "--allow-no-int8" in err
+    assert _outputs(tmp_path / "refused") == set()
+    assert main([*args, "--out", str(tmp_path / "out"), "--allow-no-int8"]) == 0
+    summary = capsys.readouterr().out
+    assert "FP16 throughout" in summary and "INT8, mixed" not in summary
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["quantization"]["fp16_throughout"]
+    assert report["quantization"]["int8_layer_count"] == 0
+    assert any("FP16 throughout" in warning for warning in report["warnings"])
+    assert any(line.startswith("warning  ") and "FP16 throughout" in line
+               for line in summary.splitlines())
+    [judge] = report["accuracy"]["judges"]
+    assert (judge["output"], judge["judge"], judge["tolerance"]) == ("out", "sqnr", ">= 45.0 dB")
+    assert judge["int8_all_layers"] < 45.0 <= judge["int8"] and judge["passed"]
+    # The split: 24 calibrate, the other 24 judge.
+    assert report["accuracy"]["samples"]["calibration"] == 24
+    assert report["accuracy"]["samples"]["judged"] == 24
+
+
+_TASK_METRIC = '''
+import numpy as np
+
+def direction(fp32, candidate, labels):
+    assert labels is None
+    a, b = fp32["out"], candidate["out"]
+    return 100.0 * float(np.mean(np.sign(a) == np.sign(b)))
+
+def broken(fp32, candidate, labels):
+    raise KeyError("boxes")
+'''
+
+
+def test_a_users_evaluator_judges_the_build(tmp_path, keys, capsys, monkeypatch):
+    (tmp_path / "task_metric.py").write_text(_TASK_METRIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model, calib = _tiny_onnx(tmp_path, 3)
+    args = ["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
+            "--calib-samples", "24", "--accuracy-budget", "10"]
+    assert main([*args, "--out", str(tmp_path / "out"), "--evaluator",
+                 "task_metric:direction"]) == 0
+    summary = capsys.readouterr().out
+    accuracy = json.loads((tmp_path / "out" / "report.json").read_text())["accuracy"]
+    assert accuracy["metric"] == "evaluator" and accuracy["fp32"] == 100.0
+    first, automatic = accuracy["judges"]
+    assert (first["judge"], first["held"], first["passed"]) == ("evaluator", True, True)
+    assert first["description"] == "the evaluator task_metric:direction (higher is better)"
+    assert automatic["output"] == "out" and not automatic["held"]
+    assert "(all)" in summary and "evaluator" in summary  # its row in the judges' table
+    err = _fails([*args, "--out", str(tmp_path / "broken"), "--evaluator", "task_metric:broken"],
+                 capsys)
+    assert "the evaluator 'task_metric:broken' failed: KeyError: 'boxes'" in err
+    err = _fails([*args, "--out", str(tmp_path / "missing"), "--evaluator", "task_metric:gone"],
+                 capsys)
+    assert "cannot load the evaluator: module 'task_metric' has no attribute 'gone'" in err
+
+
+def test_too_few_samples_to_calibrate_and_judge_are_refused(tmp_path, keys, capsys):
+    model, _ = _tiny_onnx(tmp_path, 1)
+    calib = write_samples(tmp_path / "few", np.ones((5, 16), np.float32))
+    err = _fails(["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
+                  "--out", str(tmp_path / "out")], capsys)
+    assert "too few samples to calibrate INT8 and judge it on held-out ones" in err
+    assert "found=5" in err
+
+
+@pytest.mark.parametrize("files, asked, expected", [
+    (600, 512, (512, 88)),   # the rest after --calib-samples
+    (400, 48, (48, 256)),    # at most 256 judge
+    (100, 48, (48, 52)),
+    (96, 96, (64, 32)),      # fewer than asked + 32: 32 are held out
+    (48, 512, (24, 24)),     # fewer than 64: half
+])
+def test_the_held_out_split_follows_its_rule(tmp_path, files, asked, expected):
+    from models.onnx_model import TensorSpec
+    from models.pipeline import BuildOptions
+    from models.pipeline.sources import _split_samples
+
+    calib = write_samples(tmp_path / "c", np.arange(files * 2, dtype=np.float32).reshape(files, 2))
+    options = BuildOptions(out_dir=tmp_path / "out", onnx=tmp_path / "m.onnx", calib_dir=calib,
+                           calib_samples=asked)
+    calibration, held_out, samples = _split_samples(
+        calib, [TensorSpec("x", "float32", (-1, 2), ("batch", ""))], options)
+    assert (len(calibration), len(held_out)) == expected
+    assert (samples["calibration"], samples["judged"]) == expected
+    # The held-out samples follow the calibration ones: no sample does both.
+    assert held_out.arrays["x"][0, 0] == calibration.arrays["x"][-1, 0] + 2
+    assert bool(samples["warnings"]) == (files - asked < 32)
+
+
+def test_a_build_keeping_most_layers_out_of_int8_says_so_with_its_speed():
+    from models.pipeline.report import _warnings
+    from models.quantize import QuantizeResult
+
+    def result(kept_out: int, candidates: int) -> QuantizeResult:
+        names = [f"conv{index}" for index in range(candidates)]
+        return QuantizeResult(b"", "agreement", 100.0, 90.0, 99.5, names[kept_out:],
+                              names[:kept_out], [], [], {}, {}, 100.0,
+                              candidate_count=candidates, warnings=["from the search"])
+
+    meta = {"samples": {"warnings": ["from the split"]}}
+    [split, search, most] = _warnings(result(3, 4), meta, {"int8_speedup": 1.05})
+    assert (split, search) == ("from the split", "from the search")
+    assert most.startswith("3 of 4 layers (75%) are kept out of INT8")
+    assert "runs at 1.05x the FP32 model's speed on this host" in most
+    assert _warnings(result(2, 4), meta, {"int8_speedup": 1.8}) == ["from the split",
+                                                                   "from the search"]

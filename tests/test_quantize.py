@@ -14,9 +14,9 @@ from models.data import load_digits_splits  # noqa: E402
 from models.export import export_onnx  # noqa: E402
 from models.quantize import (  # noqa: E402
     Evaluator,
+    all_model_outputs,
     check_qdq_format,
     QdqQuantizer,
-    model_outputs,
     QuantizeConfig,
     quantize_model,
     quantized_layers,
@@ -117,10 +117,13 @@ def test_accurate_model_stays_fully_int8_within_budget(digits, trained_onnx, tmp
     assert set(result.int8_layers) == {name for name, _ in QdqQuantizer(
         trained_onnx, from_array(train_split.images, "input", 8), QuantizeConfig(progress=False),
         tmp_path / "again").candidates}
-    assert len(result.sensitivity) == 6  # 4 convs, the residual add, the classifier
+    assert result.candidate_count == 6  # 4 convs, the residual add, the classifier
+    # Fully INT8 passed: one evaluation, no per-layer sensitivity needed.
+    assert len(result.search_trace) == 1 and result.sensitivity == []
     assert result.calibration["samples"] == 512
-    assert all(-1.0 <= layer.cosine <= 1.0 for layer in result.sensitivity)
-    assert [layer.sqnr_db for layer in result.sensitivity] == sorted(layer.sqnr_db for layer in result.sensitivity)
+    [judge] = result.judges
+    assert (judge["judge"], judge["passed"], judge["fp32"]) == ("top1", True,
+                                                                round(result.float_metric, 4))
     [output] = result.outputs
     assert output.name == onnx.load_from_string(trained_onnx).graph.output[0].name
     assert output.judged and output.sqnr_db > 15.0 and output.cosine > 0.98
@@ -149,24 +152,26 @@ def _two_output_model(noise: float) -> bytes:
 
 
 def test_every_output_is_compared_with_fp32_and_unjudged_poor_ones_are_warned_about(caplog):
-    from models.quantize import output_fidelity, warn_about_unjudged_outputs
+    from models.quantize import fidelity, warn_about_unjudged_outputs
 
     x = np.random.default_rng(0).standard_normal((300, 4)).astype(np.float32)
-    first, second = output_fidelity(_two_output_model(0.0), _two_output_model(0.5), {"x": x},
-                                    threads=1)
+    reference = all_model_outputs(_two_output_model(0.0), {"x": x}, threads=1)
+    first, second = fidelity(reference, all_model_outputs(_two_output_model(0.5), {"x": x},
+                                                          threads=1), judged={"a"})
     assert (first.name, first.judged, first.sqnr_db) == ("a", True, float("inf"))
     expected = 10 * np.log10(np.sum((2.0 * x.astype(np.float64)) ** 2) / (0.25 * x.size))
     assert (second.name, second.judged) == ("b", False)
     assert second.sqnr_db == pytest.approx(expected, abs=0.01)  # about 12 dB
     with caplog.at_level("WARNING", logger="models.quantize"):
-        warn_about_unjudged_outputs([first, second])
+        assert warn_about_unjudged_outputs([first, second]) == []
     assert not caplog.records  # 12 dB is poor, but not below the warning's 10 dB
-    _, noisy = output_fidelity(_two_output_model(0.0), _two_output_model(2.0), {"x": x}, threads=1)
+    _, noisy = fidelity(reference, all_model_outputs(_two_output_model(2.0), {"x": x},
+                                                     threads=1), judged={"a"})
     assert noisy.sqnr_db < 10.0
     with caplog.at_level("WARNING", logger="models.quantize"):
-        warn_about_unjudged_outputs([first, noisy])
+        [warning] = warn_about_unjudged_outputs([first, noisy])
     [record] = caplog.records
-    assert "output 'b' follows FP32 poorly" in record.getMessage()
+    assert "output 'b' follows FP32 poorly" in record.getMessage() == warning
 
 
 def test_mixed_precision_keeps_a_minimal_set_of_layers_out_of_int8(tmp_path):
@@ -177,7 +182,7 @@ def test_mixed_precision_keeps_a_minimal_set_of_layers_out_of_int8(tmp_path):
     rng = np.random.default_rng(0)
     images = rng.standard_normal((128, 3, SIZE, SIZE)).astype(np.float32)
     float_bytes = export_onnx(model, torch.from_numpy(images[:2])).model_bytes
-    reference = model_outputs(float_bytes, {"input": images})
+    reference = all_model_outputs(float_bytes, {"input": images})
     evaluator = Evaluator({"input": images}, reference=reference)
     config = QuantizeConfig(method="minmax", accuracy_budget=0.0, progress=False)
     result = quantize_model(float_bytes, from_array(images, "input", 128), evaluator, config, tmp_path)
@@ -186,12 +191,18 @@ def test_mixed_precision_keeps_a_minimal_set_of_layers_out_of_int8(tmp_path):
     assert 1 <= len(result.fp16_layers) < len(result.sensitivity)
     assert not set(result.fp16_layers) & set(result.int8_layers)
     assert set(result.fp16_layers) | set(result.int8_layers) == {s.name for s in result.sensitivity}
-    # Minimal: putting any one kept-out layer back into INT8 breaks the budget.
+    # The sensitivity table is most sensitive first, and what was kept out is (but for the
+    # layers the refinement put back) a prefix of it whose last layer is needed.
+    assert [layer.sqnr_db for layer in result.sensitivity] == sorted(
+        layer.sqnr_db for layer in result.sensitivity)
+    order = [layer.name for layer in result.sensitivity]
+    last = max(order.index(name) for name in result.fp16_layers)
+    assert set(result.fp16_layers) <= set(order[:last + 1])
     quantizer = QdqQuantizer(float_bytes, from_array(images, "input", 128), config, tmp_path / "check")
-    for layer in result.fp16_layers:
-        trial = [name for name in result.fp16_layers if name != layer]
-        assert evaluator(quantizer.quantize(exclude=trial)) < 100.0
-    assert set(quantized_layers(result.model_bytes)) == set(result.int8_layers)
+    trial = [name for name in result.fp16_layers if name != order[last]]
+    assert evaluator(quantizer.quantize(exclude=trial)) < 100.0
+    assert set(quantized_layers(result.model_bytes, kept_out=result.fp16_layers)) == set(
+        result.int8_layers)
 
 
 def test_a_kept_out_add_between_int8_branches_is_not_listed_as_int8(digits, trained_onnx,
@@ -227,12 +238,12 @@ def test_too_few_dense_predictions_are_counted_as_positions(caplog):
     from models.quantize import warn_if_too_few_predictions
 
     reference = np.zeros((2, 3, 4, 5), np.float32)  # 2 samples, 40 positions
-    evaluator = Evaluator({"input": np.zeros((2, 1), np.float32)}, reference=reference)
+    evaluator = Evaluator({"input": np.zeros((2, 1), np.float32)}, reference={"map": reference})
     with caplog.at_level("WARNING", logger="models.quantize"):
         warn_if_too_few_predictions(evaluator, 1.0)
         warn_if_too_few_predictions(evaluator, 2.5)  # one position is 2.5 points: within
     [record] = caplog.records
-    assert "with 40 evaluation sample positions one changed prediction costs 2.50 points" \
+    assert "map: with 40 evaluation sample positions one changed prediction costs 2.50 points" \
         in record.getMessage()
 
 
@@ -241,13 +252,14 @@ def test_dense_outputs_are_judged_position_by_position():
     # (argmax over C) is unchanged, not one argmax over the flattened map per sample.
     rng = np.random.default_rng(0)
     reference = rng.standard_normal((2, 3, 2, 2)).astype(np.float32)
-    evaluator = Evaluator({"input": np.zeros((2, 3, 2, 2), np.float32)}, reference=reference)
-    assert evaluator.predictions == 8
+    evaluator = Evaluator({"input": np.zeros((2, 3, 2, 2), np.float32)},
+                          reference={"map": reference})
+    assert evaluator.predictions(evaluator.primary) == 8
     changed = reference.copy()
     position = (0, slice(None), 1, 1)
     changed[position] = -changed[position]  # the largest channel there is no longer the largest
-    assert evaluator.score(reference) == 100.0
-    assert evaluator.score(changed) == pytest.approx(87.5)
+    assert evaluator.score({"map": reference}) == 100.0
+    assert evaluator.score({"map": changed}) == pytest.approx(87.5)
 
 
 def test_channels_last_dense_outputs_take_their_class_from_the_last_axis():
@@ -257,52 +269,65 @@ def test_channels_last_dense_outputs_take_their_class_from_the_last_axis():
     nchw = rng.standard_normal((4, 5, 6, 7)).astype(np.float32)  # 5 classes, 6 x 7 positions
     nhwc = np.ascontiguousarray(nchw.transpose(0, 2, 3, 1))
     inputs = {"input": np.zeros((4, 1), np.float32)}
-    first, last = Evaluator(inputs, reference=nchw), Evaluator(inputs, reference=nhwc, class_axis=3)
-    assert first.predictions == last.predictions == 4 * 6 * 7
+    first = Evaluator(inputs, reference={"map": nchw})
+    last = Evaluator(inputs, reference={"map": nhwc}, class_axis=3)
+    assert first.predictions(first.primary) == last.predictions(last.primary) == 4 * 6 * 7
     noisy = nchw + rng.normal(scale=0.4, size=nchw.shape).astype(np.float32)
-    expected = first.score(noisy)
+    expected = first.score({"map": noisy})
     assert 50.0 < expected < 100.0
-    assert last.score(np.ascontiguousarray(noisy.transpose(0, 2, 3, 1))) == pytest.approx(expected)
+    assert last.score({"map": np.ascontiguousarray(noisy.transpose(0, 2, 3, 1))}) == \
+        pytest.approx(expected)
     assert "axis 3" in last.metric_description
 
 
 def test_one_channel_outputs_are_judged_by_their_decision_not_a_trivial_argmax():
-    from models.quantize import Judgement
-
     rng = np.random.default_rng(2)
     logits = rng.standard_normal((3, 1, 8, 8)).astype(np.float32)  # a binary mask's logits
     inputs = {"input": np.zeros((3, 1), np.float32)}
-    evaluator = Evaluator(inputs, reference=logits)
-    assert evaluator.judgement == Judgement("binary", 1, 0.0)
-    assert evaluator.metric_name == "agreement" and evaluator.predictions == 3 * 64
+    evaluator = Evaluator(inputs, reference={"mask": logits})
+    judge = evaluator.primary
+    assert (judge.kind, judge.threshold) == ("decision", 0.0)
+    assert "4-D one channel" in judge.reason and judge.dense
+    positive = int((logits > 0).sum())
+    assert evaluator.metric_name == "agreement" and evaluator.predictions(judge) == positive
+    # Dense decisions are judged by the IoU of the positions above the threshold.
     flipped = logits.copy()
-    flipped[0, 0, 0, :4] = -flipped[0, 0, 0, :4]  # 4 of 192 positions change side
-    assert evaluator.score(flipped) == pytest.approx(100.0 * (192 - 4) / 192)
+    row = flipped[0, 0, 0]
+    lost = int((row[:4] > 0).sum())
+    gained = 4 - lost
+    flipped[0, 0, 0, :4] = -row[:4]  # 4 positions change side
+    assert evaluator.score({"mask": flipped}) == pytest.approx(
+        100.0 * (positive - lost) / (positive + gained))
     # Probabilities in [0, 1] are cut at 0.5; a single logit per sample (N x 1) at 0.
     probabilities = 1.0 / (1.0 + np.exp(-logits))
-    assert Evaluator(inputs, reference=probabilities).judgement.threshold == 0.5
+    assert Evaluator(inputs, reference={"p": probabilities}).primary.threshold == 0.5
     single = rng.standard_normal((3, 1)).astype(np.float32)
     single[0], single[1] = 1.0, -1.0
-    assert Evaluator(inputs, reference=single).score(-single) == 0.0
+    assert Evaluator(inputs, reference={"s": single}).score({"s": -single}) == 0.0
 
 
-def test_one_channel_outputs_without_a_decision_are_judged_by_relative_error():
+def test_one_channel_outputs_without_a_decision_are_judged_by_fidelity():
+    # A depth map (every value positive: no decision in it) by its cosine per sample; one value
+    # per sample (a score) by SQNR, since the cosine of one number is only its sign.
     depth = np.random.default_rng(3).uniform(1.0, 10.0, (2, 1, 4, 4)).astype(np.float32)
-    evaluator = Evaluator({"input": np.zeros((2, 1), np.float32)}, reference=depth)
-    assert evaluator.metric_name == "fidelity" and evaluator.predictions == 0
-    assert evaluator.score(depth) == 100.0
-    assert evaluator.score(depth * 1.02) == pytest.approx(98.0, abs=1e-4)  # 2% relative error
-    assert evaluator.score(np.full_like(depth, np.nan)) == 0.0
-    assert evaluator.score(-depth) == 0.0  # never below zero
+    evaluator = Evaluator({"input": np.zeros((2, 1), np.float32)}, reference={"depth": depth})
+    assert evaluator.metric_name == "cosine" and evaluator.predictions(evaluator.primary) == 0
+    assert evaluator.score({"depth": depth}) == pytest.approx(1.0)
+    assert evaluator.score({"depth": depth * 1.02}) == pytest.approx(1.0)  # scale-free
+    assert evaluator.score({"depth": np.full_like(depth, np.nan)}) == 0.0
+    assert evaluator.score({"depth": -depth}) == pytest.approx(-1.0, abs=0.01)
+    scores = np.random.default_rng(4).uniform(1.0, 2.0, (8, 1)).astype(np.float32)
+    sqnr = Evaluator({"input": np.zeros((8, 1), np.float32)}, reference={"score": scores})
+    assert sqnr.metric_name == "sqnr"
+    assert sqnr.score({"score": scores * 1.01}) == pytest.approx(40.0, abs=0.01)  # 1% error
 
 
-def test_a_subset_keeps_the_judgement_of_the_whole_set():
-    from models.quantize.search import _subset
-
+def test_a_subset_keeps_the_judges_of_the_whole_set():
     reference = np.array([[3.0], [4.0], [-1.0]], np.float32)  # a decision only in the last one
-    evaluator = Evaluator({"input": np.zeros((3, 1), np.float32)}, reference=reference)
-    subset = _subset(evaluator, 2)
-    assert subset.judgement == evaluator.judgement and subset.judgement.kind == "binary"
+    evaluator = Evaluator({"input": np.zeros((3, 1), np.float32)}, reference={"y": reference})
+    subset = evaluator.subset(2)
+    assert subset.judges == evaluator.judges and subset.primary.kind == "decision"
+    assert subset.samples == 2
 
 
 @pytest.mark.parametrize("tail, shape, input_layout, expected", [
@@ -355,15 +380,21 @@ def test_evaluation_sessions_use_the_builds_thread_count(digits, trained_onnx, m
 
 
 def test_search_reports_an_unreachable_budget(digits, trained_onnx, tmp_path):
-    from agent.errors import QuantizationError
+    from models.quantize import BudgetUnreachableError
 
     train_split, held_out = digits
-    evaluator = Evaluator({"input": held_out.images[:64]}, held_out.labels[:64])
-    quantizer = QdqQuantizer(trained_onnx, from_array(train_split.images, "input", 64),
-                             QuantizeConfig(method="minmax", progress=False), tmp_path)
-    with pytest.raises(QuantizationError, match="budget not met"):
+    reference = all_model_outputs(trained_onnx, {"input": held_out.images[:64]})
+    evaluator = Evaluator({"input": held_out.images[:64]}, held_out.labels[:64], reference)
+    config = QuantizeConfig(method="minmax", accuracy_budget=0.0, progress=False)
+    quantizer = QdqQuantizer(trained_onnx, from_array(train_split.images, "input", 64), config,
+                             tmp_path)
+    with pytest.raises(BudgetUnreachableError, match="even with every layer kept out") as error:
         # A float metric no model can reach: the search must give up with an error, not loop.
-        search_mixed_precision(quantizer, evaluator, 101.0, [n for n, _ in quantizer.candidates], 0.0)
+        search_mixed_precision(quantizer, evaluator, [n for n, _ in quantizer.candidates], config,
+                               reference_metric=101.0)
+    # Two evaluations (fully INT8, every layer kept out), then the per-layer table.
+    assert error.value.fields["evaluations"] == 2
+    assert len(error.value.sensitivity) == len(quantizer.candidates)
 
 
 def test_budget_counts_from_the_reference_metric(digits, trained_onnx, tmp_path):
@@ -439,7 +470,7 @@ def test_infinite_sqnr_is_written_as_null():
     from models.quantize import LayerSensitivity, OutputFidelity
 
     exact = OutputFidelity("logits", float("inf"), 1.0, judged=True).to_dict()
-    layer = LayerSensitivity("conv", "Conv", float("inf"), 1.0, 99.0).to_dict()
+    layer = LayerSensitivity("conv", "Conv", float("inf"), 1.0, "logits").to_dict()
     assert exact["sqnr_db"] is None and layer["sqnr_db"] is None
     # An output holding infinities (log of a ReLU) compares as NaN on both measures.
     infinite = OutputFidelity("log_density", float("nan"), float("nan"), judged=False).to_dict()

@@ -54,11 +54,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--finetune-epochs", type=int,
                        help="epochs of fine-tuning after each pruning step (default: 12)")
     build.add_argument("--calib-samples", type=int, default=512, metavar="N",
-                       help="calibration samples to use (500-1000 recommended)")
+                       help="calibration samples to use (500-1000 recommended). Without "
+                            "labels INT8 is judged on samples of --calib-dir held out from "
+                            "calibration: the first N files (name order) calibrate, the next "
+                            "ones (up to 256) judge; with fewer than N + 32 files, 32 (at most "
+                            "half of them) are held out and fewer calibrate")
     build.add_argument("--calib-method", choices=("entropy", "percentile", "minmax"),
                        default="entropy", help="how INT8 ranges are chosen")
     build.add_argument("--accuracy-budget", type=float, default=1.0, metavar="POINTS",
-                       help="largest top-1 (or agreement) drop allowed, in points; after "
+                       help="largest drop allowed in each agreement judge (top-1, class or "
+                            "decision agreement, your --evaluator's score), in points; after "
                             "pruning it counts from the unpruned model")
     build.add_argument("--key", type=Path, help="Ed25519 private key (PEM) to sign with")
     build.add_argument("--out", type=Path, default=Path("out"), metavar="DIR",
@@ -84,8 +89,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "input): replaces the sizes found by running the model; its batch "
                             "sets --max-batch and --opt-batch")
     build.add_argument("--output-layout", choices=("NCHW", "NHWC"),
-                       help="layout of a 4-D first output (segmentation), for judging agreement "
-                            "without labels (default: told by the graph)")
+                       help="layout of the 4-D outputs (segmentation maps), for judging their "
+                            "classes per position (default: told by the graph)")
+    build.add_argument("--output-metric", action="append", default=[],
+                       metavar="NAME=METRIC[:TOL]",
+                       help="how to judge output NAME against FP32 instead of the automatic "
+                            "choice (repeatable): agreement[:DROP] (the agreement that suits the "
+                            "output), top1[:DROP] (the class on its class axis; against the "
+                            "labels where given), decision[:DROP] (output > 0.5, or > 0 for "
+                            "logits), exact[:DROP] (every value equal), where DROP is the "
+                            "largest drop from FP32 in points (default: --accuracy-budget); "
+                            "cosine[:MIN] (mean cosine per sample, default 0.99), sqnr[:MIN] "
+                            "(dB, default 20); ignore (reported, not held). E.g. "
+                            "boxes=cosine:0.995")
+    build.add_argument("--evaluator", metavar="MODULE:CALLABLE",
+                       help="your task metric: called as f(fp32_outputs, candidate_outputs, "
+                            "labels) with dicts of output name to array (labels: None without "
+                            "them), returning a number, higher is better (mAP, 100 - CER); its "
+                            "drop from f(fp32, fp32, labels) is held to --accuracy-budget, and "
+                            "the automatic judges are then reported only")
+    build.add_argument("--search-time", type=float, metavar="SECONDS", dest="search_time_s",
+                       help="bound on the mixed-precision search (layer sensitivity and "
+                            "bisection); when it runs out the smallest passing layer set found "
+                            "is taken, and the report says so (default: no bound)")
+    build.add_argument("--allow-no-int8", action="store_true",
+                       help="accept a build that keeps every layer out of INT8 (an FP16 "
+                            "bundle); without it such a build fails")
     build.add_argument("--threads", type=int, default=2, metavar="N",
                        help="CPU threads for PyTorch and ONNX Runtime on this host")
     build.add_argument("--engine", action="store_true",
@@ -161,6 +190,7 @@ def _batch_settings(args: argparse.Namespace, profile_shapes: tuple[Any, ...]) -
 def run_build(args: argparse.Namespace) -> int:
     require("torch", extra="host", purpose="edge-agent build")
     from models.pipeline import BuildOptions, build, format_summary, parse_profile_shape
+    from models.quantize import OutputMetric
 
     model = args.model
     if model is None and args.onnx is None and args.user_model is None:
@@ -188,6 +218,10 @@ def run_build(args: argparse.Namespace) -> int:
         frame_size=args.frame_size,
         profile_shapes=profile_shapes,
         output_layout=args.output_layout,
+        output_metrics=tuple(OutputMetric.parse(text) for text in args.output_metric),
+        evaluator=args.evaluator,
+        search_time_s=args.search_time_s,
+        allow_no_int8=args.allow_no_int8,
         threads=args.threads,
         build_engine=args.engine,
         progress=sys.stderr.isatty(),

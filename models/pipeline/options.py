@@ -4,6 +4,7 @@ and the limits the options are checked against."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from agent.errors import ConfigError
 from models.calibration import DEFAULT_SAMPLES
 from models.manifest import MAX_NAME_LENGTH, MAX_VERSION
 from models.pipeline.profile_shape import ProfileShape, check_profile_options
+from models.quantize.judges import OutputMetric
 from pruning.config import Importance, PruneConfig, Scope
 
 
@@ -66,6 +68,14 @@ class BuildOptions:
     # The first output's layout, to find its classes when judging agreement (4-D outputs only;
     # default: told by the graph, see models.onnx_model.output_layout).
     output_layout: str | None = None
+    # How outputs are judged where the automatic choice does not suit (--output-metric), and the
+    # user's task metric (--evaluator module:callable); see models.quantize.judges.
+    output_metrics: tuple[OutputMetric, ...] = ()
+    evaluator: str | None = None
+    # Bound on the mixed-precision search (sensitivity and bisection), seconds; None: unbounded.
+    search_time_s: float | None = None
+    # Accept a build that keeps every layer out of INT8 (an FP16 bundle).
+    allow_no_int8: bool = False
     threads: int = 2
     build_engine: bool = False
     progress: bool = True
@@ -130,6 +140,18 @@ class BuildOptions:
         if self.output_layout is not None and self.model is not None:
             raise ConfigError("--output-layout is for --onnx and --user-model (the example "
                               "models are judged against their labels)", key="--output-layout")
+        if self.evaluator is not None:
+            module, sep, attribute = self.evaluator.partition(":")
+            if not sep or not module or not attribute:
+                raise ConfigError("give --evaluator as MODULE:CALLABLE (e.g. my_metrics:map50)",
+                                  key="--evaluator", found=self.evaluator)
+        if self.search_time_s is not None and not (math.isfinite(self.search_time_s)
+                                                   and self.search_time_s > 0):
+            raise ConfigError("--search-time must be a positive number of seconds",
+                              key="--search-time", found=self.search_time_s)
+        if any(not isinstance(metric, OutputMetric) for metric in self.output_metrics):
+            raise ConfigError("output metrics must be OutputMetric values (parse the text with "
+                              "OutputMetric.parse)", key="--output-metric")
         if self.prune_target_macs is not None and self.prune_target_macs < 1:
             raise ConfigError("--prune-target-macs must be positive", key="--prune-target-macs",
                               found=self.prune_target_macs)

@@ -26,10 +26,11 @@ from models.pipeline.options import MIN_AGENT_VERSION, BuildOptions, BuildResult
 from models.pipeline.outdir import _bundle_path, _check_before_work, _prepare_out_dir
 from models.pipeline.profile import choose_engine_profile
 from models.pipeline.report import (_accuracy_report, _budget_reference, _json_default,
-                                    _quantization_report, _speed_report)
+                                    _quantization_report, _speed_report, _warnings)
 from models.pipeline.sources import _from_onnx, _from_torch
 from models.pipeline.stages import _Stages
-from models.quantize import Evaluator, QuantizeConfig, QuantizeResult, quantize_model
+from models.quantize import (Evaluator, QuantizeConfig, QuantizeResult, finite_or_none,
+                             quantize_model)
 
 
 def build(options: BuildOptions) -> BuildResult:
@@ -58,6 +59,7 @@ def _build(options: BuildOptions) -> BuildResult:
         speed = stages.run("host speed check", _speed_report, float_bytes, quantized.model_bytes,
                            meta, options)
         report["speed"] = speed
+        report["warnings"] = _warnings(quantized, meta, speed)
         files, engines = _model_files(work, quantized, meta, options, stages)
 
         manifest = _manifest(name, version, quantized, engines, report["accuracy"], meta, options)
@@ -113,14 +115,15 @@ def _quantize(float_bytes: bytes, evaluator: Evaluator, calibration: Calibration
         evaluator,
         QuantizeConfig(method=options.calib_method, accuracy_budget=options.accuracy_budget,
                        reference_metric=_budget_reference(meta), progress=options.progress,
-                       fixed_batch=meta.get("fixed_batch")),
+                       fixed_batch=meta.get("fixed_batch"), search_time_s=options.search_time_s,
+                       allow_no_int8=options.allow_no_int8),
         work / "quantize",
     )
     report["quantization"] = _quantization_report(quantized, options)
     report["accuracy"] = _accuracy_report(quantized, meta, options)
     # What a CPU daemon will answer: its ONNX Runtime backend folds ReLUs (models.ort_relu).
-    report["accuracy"]["int8_onnxruntime_served"] = round(
-        evaluator.score(evaluator.outputs(quantized.model_bytes, fold_relu=True)), 3)
+    report["accuracy"]["int8_onnxruntime_served"] = finite_or_none(
+        evaluator.score(evaluator.outputs(quantized.model_bytes, fold_relu=True)), 4)
     return quantized
 
 

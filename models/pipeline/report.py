@@ -12,7 +12,8 @@ import numpy as np
 from models.ort import int8_kernels
 from models.pipeline.frames import _frame_inputs, frame_size
 from models.pipeline.options import BuildOptions, BuildResult
-from models.quantize import QuantizeResult
+from models.quantize import QuantizeResult, finite_or_none
+from models.quantize.search import MOSTLY_KEPT_OUT
 
 
 def _export_report(exported: Any) -> dict[str, Any]:
@@ -35,8 +36,13 @@ def _quantization_report(result: QuantizeResult, options: BuildOptions) -> dict[
         "accuracy_budget": options.accuracy_budget,
         "fp16_layers": result.fp16_layers,
         "int8_layer_count": len(result.int8_layers),
+        "candidate_layers": result.candidate_count,
+        "fp16_throughout": result.fp16_throughout,
         "sensitivity": [layer.to_dict() for layer in result.sensitivity],
+        **({} if result.sensitivity else {
+            "sensitivity_note": "not measured: the fully INT8 model passed every judge"}),
         "search": result.search_trace,
+        "search_summary": result.search,
         "node_counts": result.node_counts,
         "seconds": {name: round(value, 2) for name, value in result.seconds.items()},
     }
@@ -52,22 +58,31 @@ def _budget_reference(meta: dict[str, Any]) -> float | None:
 
 def _accuracy_report(result: QuantizeResult, meta: dict[str, Any],
                      options: BuildOptions) -> dict[str, Any]:
+    """The accuracy section: the primary judge's scores under the names readers know (metric,
+    fp32, int8_all_layers, int8; drop and budget for agreement metrics), and every judge
+    (``judges``: per output, its judge and why, its tolerance, its scores and whether it
+    passed) with the samples they judged."""
     accuracy: dict[str, Any] = {
         "metric": result.metric_name,
         "metric_description": result.metric_description,
         "dataset": meta["dataset"],
-        "fp32": round(result.float_metric, 3),
-        "int8_all_layers": round(result.full_int8_metric, 3),
-        "int8": round(result.int8_metric, 3),
-        # The drop the budget holds: from the unpruned model when pruning ran, else from FP32.
-        "drop": round(result.budget_drop, 3),
-        "int8_drop": round(result.drop, 3),
-        "budget": options.accuracy_budget,
-        "budget_from": "FP32 (ONNX)",
+        "samples": meta.get("samples"),
+        "fp32": finite_or_none(result.float_metric, 3),
+        "int8_all_layers": finite_or_none(result.full_int8_metric, 3),
+        "int8": finite_or_none(result.int8_metric, 3),
         "fp16_layers": len(result.fp16_layers),
-        # Every output of the final model against FP32, on the sensitivity samples.
+        "judges": result.judges,
+        # Every output of the final model against FP32, on the judged samples.
         "outputs": [output.to_dict() for output in result.outputs],
     }
+    if result.metric_name in ("top1", "agreement", "evaluator"):
+        accuracy.update({
+            # The drop the budget holds: from the unpruned model when pruning ran, else FP32.
+            "drop": round(result.budget_drop, 3),
+            "int8_drop": round(result.drop, 3),
+            "budget": options.accuracy_budget,
+            "budget_from": "FP32 (ONNX)",
+        })
     if meta.get("fp32_torch_metric") is not None:
         accuracy["fp32_unpruned"] = round(meta["fp32_torch_metric"], 3)
     if meta.get("pruned_torch_metric") is not None:
@@ -75,6 +90,20 @@ def _accuracy_report(result: QuantizeResult, meta: dict[str, Any],
         accuracy["drop_vs_unpruned"] = accuracy["drop"]  # the budgeted drop counts from it
         accuracy["budget_from"] = "unpruned FP32 (PyTorch)"
     return accuracy
+
+
+def _warnings(result: QuantizeResult, meta: dict[str, Any], speed: dict[str, Any]) -> list[str]:
+    """The report's warnings: the held-out split's, the quantization's, and a plain one with the
+    speed it costs where most layers are kept out of INT8."""
+    warnings = list((meta.get("samples") or {}).get("warnings", [])) + list(result.warnings)
+    kept_out, candidates = len(result.fp16_layers), result.candidate_count
+    if candidates and kept_out / candidates > MOSTLY_KEPT_OUT and not result.fp16_throughout:
+        warnings.append(
+            f"{kept_out} of {candidates} layers ({kept_out / candidates:.0%}) are kept out of "
+            f"INT8 (FP16 on the board): the INT8 model runs at {speed['int8_speedup']:.2f}x "
+            "the FP32 model's speed on this host; check the judges (--output-metric, "
+            "--accuracy-budget) before deploying it as an INT8 build")
+    return warnings
 
 
 def _speed_report(float_bytes: bytes, int8_bytes: bytes, meta: dict[str, Any],
@@ -122,6 +151,7 @@ def format_summary(result: BuildResult) -> str:
     """A readable summary of a build for the terminal."""
     report = result.report
     accuracy = report["accuracy"]
+    quantization = report["quantization"]
     lines = [
         f"bundle   {result.bundle_path}",
         f"report   {result.report_path}",
@@ -132,25 +162,25 @@ def format_summary(result: BuildResult) -> str:
         lines.append(f"  FP32 (PyTorch)     {accuracy['fp32_unpruned']:.2f}")
     if "pruned_fp32" in accuracy:
         lines.append(f"  pruned FP32        {accuracy['pruned_fp32']:.2f}")
-    lines += [
-        f"  FP32 (ONNX)        {accuracy['fp32']:.2f}",
-        f"  INT8, all layers   {accuracy['int8_all_layers']:.2f}",
-        f"  INT8, mixed        {accuracy['int8']:.2f}  (drop {accuracy['drop']:.2f} from "
-        f"{accuracy['budget_from']}, budget {accuracy['budget']:.2f}, "
-        f"{accuracy['fp16_layers']} layer(s) in FP16)",
-    ]
+    lines += _judges_table(accuracy.get("judges", []))
+    fp16, candidates = quantization["fp16_layers"], quantization.get("candidate_layers")
+    layers = f"{len(fp16)} of {candidates}" if candidates else f"{len(fp16)}"
+    if quantization.get("fp16_throughout"):
+        lines.append(f"  FP16 throughout    no layer in INT8 ({layers} layer(s) kept out, "
+                     "accepted by --allow-no-int8)")
+    elif "drop" in accuracy:
+        lines.append(f"  INT8, mixed        {accuracy['int8']:.2f}  (drop {accuracy['drop']:.2f} "
+                     f"from {accuracy['budget_from']}, budget {accuracy['budget']:.2f}, "
+                     f"{layers} layer(s) in FP16)")
+    else:
+        lines.append(f"  INT8, mixed        {layers} layer(s) in FP16, every judge above passed")
     if "int8_onnxruntime_served" in accuracy:
-        lines.append(f"  INT8, served (CPU) {accuracy['int8_onnxruntime_served']:.2f}  (ONNX Runtime "
-                     "folds ReLUs into a finer UINT8 step; TensorRT runs the line above)")
-    if len(accuracy.get("outputs", [])) > 1:
-        lines.append("  outputs, INT8 against FP32: " + ", ".join(
-            f"{output['name']} "
-            + ("n/a" if output["sqnr_db"] is None else f"{output['sqnr_db']:.1f} dB")
-            + ("" if output["judged_by_budget"] else " (not budgeted)")
-            for output in accuracy["outputs"]))
-    fp16 = report["quantization"]["fp16_layers"]
+        served = _score_text(accuracy["metric"], accuracy["int8_onnxruntime_served"])
+        lines.append(f"  INT8, served (CPU) {served}  (ONNX Runtime folds ReLUs into a finer "
+                     "UINT8 step; TensorRT runs the model judged above)")
     if fp16:
-        lines.append("  FP16 layers: " + ", ".join(fp16))
+        shown = ", ".join(fp16[:12]) + (f", ... {len(fp16) - 12} more" if len(fp16) > 12 else "")
+        lines.append("  FP16 layers: " + shown)
     model = report.get("model")
     if model:
         size = next((key.split("_")[-1] for key in model if key.startswith("macs_")), "")
@@ -182,6 +212,8 @@ def format_summary(result: BuildResult) -> str:
         return f"{name} {timings[name]:.1f}s" + (f" ({parts})" if parts else "")
 
     lines.append("time     " + ", ".join(timing(name) for name in timings if name not in nested))
+    for warning in report.get("warnings", []):
+        lines.append(f"warning  {warning}")
     return "\n".join(lines)
 
 
@@ -196,3 +228,31 @@ def _profile_lines(section: dict[str, Any] | None) -> list[str]:
            "given": "given with --profile-shape"}.get(section["chosen"], section["chosen"])
     return [f"profile  {spans} (min/opt/max; {how})",
             *(f"  {line}" for line in section.get("found", []))]
+
+
+def _judges_table(judges: list[dict[str, Any]]) -> list[str]:
+    """One row per judge: the output, its judge, its tolerance, the FP32, fully INT8 and final
+    scores, and whether it passed."""
+    if not judges:
+        return []
+    rows = [("output", "judge", "held to", "FP32", "INT8 all", "final", "")]
+    for judge in judges:
+        kind = judge["judge"]
+        rows.append((str(judge["output"] if judge["output"] is not None else "(all)"), kind,
+                     judge["tolerance"], _score_text(kind, judge["fp32"]),
+                     _score_text(kind, judge["int8_all_layers"]), _score_text(kind, judge["int8"]),
+                     ("pass" if judge["passed"] else "FAIL") if judge["held"] else ""))
+    widths = [min(max(len(row[column]) for row in rows), 32) for column in range(len(rows[0]))]
+    return ["  " + "  ".join(cell[:32].ljust(width) for cell, width in zip(row, widths)).rstrip()
+            for row in rows]
+
+
+def _score_text(kind: str, value: float | None) -> str:
+    """A judge's score as the summary prints it (None: not finite, an SQNR of an exact copy)."""
+    if value is None:
+        return "exact" if kind == "sqnr" else "n/a"
+    if kind == "cosine":
+        return f"{value:.4f}"
+    if kind == "sqnr":
+        return f"{value:.1f} dB"
+    return f"{value:.2f}"

@@ -1,25 +1,30 @@
 """The three model sources a build starts from, each giving the FP32 ONNX model, the evaluator
 that judges INT8 against it, the calibration set and what later stages need to know (``meta``):
 an example model from the zoo (trained, optionally pruned and fine-tuned, exported), a user's
-PyTorch model (exported and checked on real samples), or a user's ONNX model."""
+PyTorch model (exported and checked on real samples), or a user's ONNX model. The zoo's models
+are judged against the labels of their held-out split; the others against the FP32 model on
+samples of the calibration directory held out from calibration (:func:`_split_samples`)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from agent.errors import ConfigError, PruningError
+from pathlib import Path
+
+from agent.errors import CalibrationError, ConfigError, PruningError
 from models.calibration import CalibrationSet, from_array, from_directory
 from models.pipeline.batching import note_batch
 from models.pipeline.options import CHECK_SAMPLES, EXAMPLE_FRAME, BuildOptions
 from models.pipeline.report import _export_report
 from models.pipeline.stages import _Stages
-from models.quantize import Evaluator, model_outputs
+from models.quantize import Evaluator, all_model_outputs
 
 log = logging.getLogger(__name__)
 
 
 def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
+    import onnx
     import torch
 
     from models import zoo
@@ -58,11 +63,14 @@ def _from_torch(options: BuildOptions, report: dict[str, Any], stages: _Stages):
     report["export"] = _export_report(exported)
     calibration = from_array(train_split.images, exported.input_name, options.calib_samples,
                              source=f"digits train split ({len(train_split)} images)")
-    evaluator = Evaluator({exported.input_name: held_out.images}, held_out.labels,
-                          threads=options.threads)
+    evaluator = _evaluator(onnx.load_from_string(exported.model_bytes), exported.model_bytes,
+                           {exported.input_name: held_out.images}, options, held_out.labels)
     meta = {
         "source": {"kind": "zoo", "model": spec.name},
         "dataset": f"digits held-out split ({len(held_out)} images, {spec.train_size}x{spec.train_size})",
+        "samples": {"calibration": len(calibration), "judged": len(held_out),
+                    "rule": "the digits train split calibrates; its held-out split, with "
+                            "labels, judges"},
         "fp32_torch_metric": fp32_top1,
         "pruned_torch_metric": pruned_top1,
         "preprocessing": digits_preprocessing(spec.train_size).to_dict(),
@@ -157,13 +165,13 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
     report["export"] = _export_report(exported)
     exported_model = onnx.load_from_string(exported.model_bytes)
     inputs, _ = io_specs(exported_model)
-    calibration = from_directory(calib_dir, inputs, options.calib_samples,
-                                 preprocessing=options.calib_preprocess)
-    evaluator = _agreement_evaluator(exported_model, exported.model_bytes, calibration, options)
+    calibration, held_out, split = _split_samples(calib_dir, inputs, options)
+    evaluator = _evaluator(exported_model, exported.model_bytes, held_out.arrays, options)
     meta = {
         "source": {"kind": "pytorch", "model": options.user_model,
                    "checkpoint": str(options.checkpoint) if options.checkpoint else None},
-        "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
+        "dataset": _held_out_dataset(split),
+        "samples": split,
         "preprocessing": calibration.preprocessing,
         **_input_meta(exported_model, calibration),
         # Exported with a dynamic batch, on axis 0 of every output (models.export checks it).
@@ -173,32 +181,97 @@ def _from_user_torch(options: BuildOptions, report: dict[str, Any], stages: _Sta
     return exported.model_bytes, evaluator, calibration, meta
 
 
-def _agreement_evaluator(model: Any, float_bytes: bytes, calibration: CalibrationSet,
-                         options: BuildOptions, *, fixed_batch: int | None = None,
-                         batch_axes: dict[str, int] | None = None) -> Evaluator:
-    """Without labels, INT8 is judged by agreement with the FP32 model (``model``, parsed, and
-    ``float_bytes``) on the calibration set; for a 4-D first output, the classes are on the axis
-    its layout (``--output-layout``, else :func:`models.onnx_model.output_layout`) says.
-    ``fixed_batch`` and ``batch_axes``: how the model takes and returns batches
-    (models.batch_axis; outputs are judged batch first)."""
-    from models.onnx_model import image_layout, io_specs, output_layout
+# Without labels INT8 is judged on samples of the calibration directory held out from
+# calibration: the first --calib-samples files (name order) calibrate, the next ones, up to
+# HELD_OUT_MAX, judge. Where fewer than HELD_OUT_MIN are left after --calib-samples, HELD_OUT_MIN
+# (or half the directory, when it has fewer than twice that) are held out and fewer calibrate;
+# under MIN_SPLIT_SAMPLES there are not enough to do both.
+HELD_OUT_MAX = 256
+HELD_OUT_MIN = 32
+MIN_SPLIT_SAMPLES = 8
 
-    inputs, outputs = io_specs(model)
-    layout = options.output_layout
-    if layout is not None and len(outputs[0].shape) != 4:
-        raise ConfigError("--output-layout applies to a 4-D first output (N x C x H x W or "
-                          "N x H x W x C)", key="--output-layout", output=outputs[0].name,
-                          found=list(outputs[0].shape))
-    if layout is None:
-        layout = output_layout(model, outputs[0], image_layout(model, inputs[0]))
-    reference = model_outputs(float_bytes, calibration.arrays, threads=options.threads,
-                              fixed_batch=fixed_batch, batch_axes=batch_axes)
-    evaluator = Evaluator(calibration.arrays, threads=options.threads, reference=reference,
-                          class_axis=3 if layout == "NHWC" else 1, fixed_batch=fixed_batch,
-                          batch_axes=batch_axes)
-    log.info("INT8 is judged by %s%s", evaluator.metric_description,
-             f" ({outputs[0].name!r} read as {layout})" if layout else "")
-    return evaluator
+
+def _split_samples(calib_dir: Path, inputs: Any, options: BuildOptions
+                   ) -> tuple[CalibrationSet, CalibrationSet, dict[str, Any]]:
+    """The calibration directory's samples split into those that calibrate and those held out
+    to judge INT8 (the rule above), and the counts and rule for the report."""
+    from models.calibration import (RECOMMENDED_MAX_SAMPLES, RECOMMENDED_MIN_SAMPLES,
+                                    warn_about_copies)
+
+    everything = from_directory(calib_dir, inputs, options.calib_samples + HELD_OUT_MAX,
+                                preprocessing=options.calib_preprocess, probe=True)
+    total = len(everything)
+    if total < MIN_SPLIT_SAMPLES:
+        raise CalibrationError(
+            f"too few samples to calibrate INT8 and judge it on held-out ones: give at least "
+            f"{MIN_SPLIT_SAMPLES} (better {HELD_OUT_MIN} more than --calib-samples)",
+            path=calib_dir, found=total)
+    rule = (f"the first --calib-samples files (name order) calibrate, the next ones (up to "
+            f"{HELD_OUT_MAX}) are held out to judge")
+    spare = total - options.calib_samples
+    note = None
+    if spare >= HELD_OUT_MIN:
+        calibrate, judged = options.calib_samples, min(spare, HELD_OUT_MAX)
+    else:
+        judged = min(HELD_OUT_MIN, total // 2)
+        calibrate = min(options.calib_samples, total - judged)
+        note = (f"the calibration directory has {total} samples, fewer than --calib-samples "
+                f"{options.calib_samples} plus {HELD_OUT_MIN} held out to judge INT8: "
+                f"{calibrate} calibrate and the last {judged} judge (add samples for a steadier "
+                "judgement)")
+        rule += (f"; with fewer than --calib-samples + {HELD_OUT_MIN} files, {HELD_OUT_MIN} "
+                 "(at most half of them) are held out")
+        log.warning("%s", note)
+    arrays = everything.arrays
+    calibration = CalibrationSet({name: array[:calibrate] for name, array in arrays.items()},
+                                 everything.source, everything.preprocessing)
+    held_out = CalibrationSet(
+        {name: array[calibrate:calibrate + judged] for name, array in arrays.items()},
+        everything.source, everything.preprocessing)
+    if calibrate < RECOMMENDED_MIN_SAMPLES:
+        log.warning("calibrating on %d samples; %d-%d are recommended", calibrate,
+                    RECOMMENDED_MIN_SAMPLES, RECOMMENDED_MAX_SAMPLES)
+    warn_about_copies(calibration.arrays, str(calib_dir))
+    log.info("%d samples calibrate, %d held-out samples judge INT8", calibrate, judged)
+    samples = {"calibration": calibrate, "judged": judged, "held_out": True, "rule": rule,
+               "warnings": [note] if note else []}
+    return calibration, held_out, samples
+
+
+def _held_out_dataset(samples: dict[str, Any]) -> str:
+    return (f"{samples['judged']} held-out samples (after the {samples['calibration']} that "
+            "calibrate), against FP32")
+
+
+def _evaluator(model: Any, float_bytes: bytes, inputs: dict[str, Any], options: BuildOptions,
+               labels: Any = None, *, fixed_batch: int | None = None,
+               batch_axes: dict[str, int] | None = None) -> Evaluator:
+    """The evaluator that judges INT8 against the FP32 model (``model``, parsed, and
+    ``float_bytes``) on ``inputs``: every output by the judge that suits it (a 4-D output's
+    classes on the axis its layout, ``--output-layout`` or told by the graph, says), or as
+    ``--output-metric`` and ``--evaluator`` say; the first output's top-1 against ``labels``
+    where given. ``fixed_batch`` and ``batch_axes``: how the model takes and returns batches
+    (models.batch_axis; outputs are judged batch first)."""
+    from models.onnx_model import io_specs
+    from models.quantize import CustomJudge, choose_judges, output_facts
+
+    _, outputs = io_specs(model)
+    if options.output_layout is not None and not any(len(spec.shape) == 4 for spec in outputs):
+        raise ConfigError("--output-layout applies to 4-D outputs (N x C x H x W or "
+                          "N x H x W x C); this model has none", key="--output-layout",
+                          outputs=", ".join(f"{spec.name} {list(spec.shape)}" for spec in outputs))
+    custom = CustomJudge.load(options.evaluator) if options.evaluator else None
+    reference = all_model_outputs(float_bytes, inputs, threads=options.threads,
+                                  fixed_batch=fixed_batch, batch_axes=batch_axes)
+    judges = choose_judges(reference, labels=labels is not None,
+                           facts=output_facts(model, options.output_layout),
+                           overrides=options.output_metrics, custom=custom)
+    for judge in judges:
+        log.info("INT8 is judged on %s by %s (%s), %s", judge.name if judge is not custom else
+                 "every output", judge.describe(), judge.to_dict()["why"],
+                 judge.limit_text(options.accuracy_budget))
+    return Evaluator(inputs, labels, reference, threads=options.threads, judges=judges,
+                     fixed_batch=fixed_batch, batch_axes=batch_axes)
 
 
 def _from_onnx(options: BuildOptions, report: dict[str, Any]):
@@ -215,8 +288,7 @@ def _from_onnx(options: BuildOptions, report: dict[str, Any]):
     raw = load_onnx(onnx_path)
     check_float_model(raw, onnx_path)
     inputs, _ = io_specs(raw)
-    calibration = from_directory(calib_dir, inputs, options.calib_samples,
-                                 preprocessing=options.calib_preprocess)
+    calibration, held_out, split = _split_samples(calib_dir, inputs, options)
     samples = calibration.arrays
     upgraded, conversion = upgrade_opset(raw, samples, threads=options.threads)
     if conversion is not None:
@@ -230,11 +302,12 @@ def _from_onnx(options: BuildOptions, report: dict[str, Any]):
         "node_counts_before": node_counts(raw),
         "node_counts_after": node_counts(cleaned),
     }
-    evaluator = _agreement_evaluator(cleaned, float_bytes, calibration, options,
-                                     fixed_batch=batch.fixed, batch_axes=batch.output_axes)
+    evaluator = _evaluator(cleaned, float_bytes, held_out.arrays, options,
+                           fixed_batch=batch.fixed, batch_axes=batch.output_axes)
     meta = {
         "source": {"kind": "onnx", "path": str(options.onnx)},
-        "dataset": f"calibration samples ({len(calibration)}), agreement with FP32",
+        "dataset": _held_out_dataset(split),
+        "samples": split,
         "preprocessing": calibration.preprocessing,
         **_input_meta(raw, calibration),
         "fixed_batch": batch.fixed,

@@ -1,15 +1,15 @@
-"""How a model is judged against the FP32 one: its score (top-1 against labels, or agreement
-with the FP32 outputs without them) and the fidelity measures (SQNR, cosine) the INT8 search
-ranks layers by and reports per output.
+"""How a model is judged against the FP32 one: every output by the judge that suits it
+(:mod:`models.quantize.judges`), over samples held out from calibration (or against labels), and
+the fidelity measures (SQNR, cosine) the INT8 search ranks layers by and reports per output.
 
-Models run through ONNX Runtime's CPU provider (:func:`model_outputs`), as the QDQ model is
-written, so the score is the one the bundle's model earns.
+Models run through ONNX Runtime's CPU provider (:func:`all_model_outputs`), as the QDQ model is
+written, so the scores are the ones the bundle's model earns.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,8 @@ import numpy as np
 
 from agent.errors import InternalError
 from models.ort import create_session
+from models.quantize.judges import CustomJudge, Judge, OutputJudge, choose_judges
+from models.quantize.measures import cosine_score, sqnr_db
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +32,14 @@ def finite_or_none(value: float, digits: int) -> float | None:
 
 @dataclass(frozen=True)
 class LayerSensitivity:
+    """How much INT8 in this layer alone moves the model's outputs: the worst held output's SQNR
+    (``output``) and its cosine."""
+
     name: str
     op_type: str
     sqnr_db: float
     cosine: float
-    metric: float  # top-1 or agreement with only this layer in INT8
+    output: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -42,7 +47,7 @@ class LayerSensitivity:
             "op_type": self.op_type,
             "sqnr_db": finite_or_none(self.sqnr_db, 2),
             "cosine": finite_or_none(self.cosine, 6),
-            "metric": round(self.metric, 3),
+            "worst_output": self.output,
         }
 
 
@@ -53,7 +58,7 @@ class OutputFidelity:
     name: str
     sqnr_db: float
     cosine: float
-    judged: bool  # the accuracy budget was held on this output
+    judged: bool  # a held judge looked at this output
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,63 +70,41 @@ class OutputFidelity:
 
 
 # Below this an output's quantization noise is over a tenth of its power: worth a warning when
-# the budget did not look at that output.
+# no held judge looked at that output.
 POOR_OUTPUT_SQNR_DB = 10.0
+# Scores are compared with their limits with this slack, so that a drop of exactly the budget
+# (2 flips of 200 against a 1-point budget) passes despite rounding.
+_SLACK = 1e-9
 
 
 @dataclass(frozen=True)
-class Judgement:
-    """How outputs are compared with the FP32 model's when there are no labels.
+class Verdict:
+    """Every judge's score of one candidate and whether each holds its tolerance."""
 
-    ``kind``:
-        - ``"classes"``: the class (argmax over ``class_axis``) of each sample, and of each position
-          for dense outputs such as segmentation maps (N x C x H x W, or N x H x W x C);
-        - ``"binary"``: one channel (a single logit or probability, a binary mask): the decision
-          ``output > threshold`` (0 for logits, 0.5 for probabilities in [0, 1]) of each sample
-          and position;
-        - ``"values"``: one channel with no decision in it (every FP32 output on one side of the
-          threshold: depth, a score): 100 x (1 - the relative L2 error), so a 1-point budget
-          allows 1% error (about 40 dB SQNR).
-    """
+    scores: tuple[float, ...]
+    passed: tuple[bool, ...]
 
-    kind: str
-    class_axis: int = 1
-    threshold: float = 0.0
+    @property
+    def ok(self) -> bool:
+        return all(self.passed)
 
-    @classmethod
-    def of(cls, reference: np.ndarray, class_axis: int = 1) -> Judgement:
-        """The judgement that suits FP32 outputs ``reference`` whose classes lie on ``class_axis``."""
-        if reference.ndim >= 2:
-            class_axis = class_axis % reference.ndim
-            if class_axis == 0:
-                raise InternalError("the class axis cannot be the batch axis")
-            if reference.shape[class_axis] > 1:
-                return cls("classes", class_axis)
-        # One value per sample (N, or N x 1) or per position: a decision, or just values.
-        finite = reference[np.isfinite(reference)]
-        probabilities = finite.size > 0 and finite.min() >= 0.0 and finite.max() <= 1.0
-        threshold = 0.5 if probabilities else 0.0
-        decisions = reference > threshold
-        if decisions.all() or not decisions.any():
-            return cls("values", class_axis)
-        return cls("binary", class_axis, threshold)
-
-    def describe(self) -> str:
-        if self.kind == "classes":
-            return f"agreement of the class (argmax over axis {self.class_axis})"
-        if self.kind == "binary":
-            return f"agreement of the decision output > {self.threshold:g} (one channel)"
-        return "100 x (1 - relative L2 error) against FP32 (one channel, no decision in it)"
+    @property
+    def primary(self) -> float:
+        return self.scores[0]
 
 
 class Evaluator:
-    """Scores a model on fixed samples: top-1 against labels, or agreement with FP32 outputs.
+    """Judges a model's outputs on fixed samples, every output by its own judge.
 
     Args:
-        inputs: Input name to an N x ... array.
-        labels: Integer labels; ``None`` means "no labels": outputs are compared with
-            ``reference`` (the FP32 model's outputs) as ``judgement`` says (by default the one
-            :meth:`Judgement.of` picks, with classes on ``class_axis``).
+        inputs: Input name to an N x ... array (the judged samples).
+        labels: Integer labels of the samples: the first output is judged by top-1 against them.
+        reference: The FP32 model's outputs on ``inputs``, by name in the graph's order; the
+            other outputs are judged against them. ``None`` (with labels only): only the first
+            output's top-1 is known until :meth:`with_reference` is given the FP32 outputs.
+        judges: One per output (and the user's evaluator, first); default: as
+            :func:`~models.quantize.judges.choose_judges` picks from the outputs' shapes and
+            values (a 4-D output's classes on ``class_axis``).
         fixed_batch, batch_axes: How the model takes and returns batches, passed to
             :func:`all_model_outputs` (outputs are always compared batch first).
     """
@@ -130,96 +113,144 @@ class Evaluator:
         self,
         inputs: dict[str, np.ndarray],
         labels: np.ndarray | None = None,
-        reference: np.ndarray | None = None,
+        reference: Mapping[str, np.ndarray] | None = None,
         batch_size: int = 128,
         threads: int = 2,
         *,
+        judges: Sequence[Judge] | None = None,
         class_axis: int = 1,
-        judgement: Judgement | None = None,
         fixed_batch: int | None = None,
         batch_axes: dict[str, int] | None = None,
     ) -> None:
         if labels is None and reference is None:
             raise InternalError("an evaluator needs labels or reference outputs")
+        if reference is not None and not isinstance(reference, Mapping):
+            raise InternalError("reference outputs are a dict of output name to array")
         self.inputs = inputs
         self.labels = labels
-        self.reference = reference
+        self.reference = dict(reference) if reference is not None else None
         self.batch_size = batch_size
         self.threads = threads
-        self.judgement = judgement
         self.fixed_batch = fixed_batch
         self.batch_axes = batch_axes
-        if labels is None and judgement is None:
-            assert reference is not None  # checked above
-            self.judgement = Judgement.of(reference, class_axis)
+        if judges is not None:
+            self.judges: list[Judge] = list(judges)
+        elif self.reference is not None:
+            self.judges = choose_judges(self.reference, labels=labels is not None,
+                                        class_axis=class_axis)
+        else:
+            self.judges = [OutputJudge("", "top1", "labels given: top-1 of the first output")]
+        if not self.judges:
+            raise InternalError("an evaluator needs at least one judge")
+
+    @property
+    def samples(self) -> int:
+        return int(next(iter(self.inputs.values())).shape[0])
+
+    @property
+    def primary(self) -> Judge:
+        """The judge whose score is the build's headline metric: the user's evaluator, else
+        top-1 against the labels, else the first output's judge."""
+        return self.judges[0]
 
     @property
     def metric_name(self) -> str:
-        if self.labels is not None:
-            return "top1"
-        return "fidelity" if self._kind == "values" else "agreement"
+        kind = self.primary.kind
+        return "agreement" if kind in ("classes", "decision", "exact") else kind
 
     @property
     def metric_description(self) -> str:
-        if self.labels is not None or self.judgement is None:
-            return "top-1 against the labels"
-        return self.judgement.describe()
+        return str(self.primary.describe())
 
     @property
-    def _kind(self) -> str | None:
-        return None if self.labels is not None or self.judgement is None else self.judgement.kind
+    def custom(self) -> CustomJudge | None:
+        return next((judge for judge in self.judges if isinstance(judge, CustomJudge)), None)
 
-    def outputs(self, model_bytes: bytes, *, fold_relu: bool = False) -> np.ndarray:
-        """First output of the model for every sample (``fold_relu``: as ONNX Runtime serves it,
+    def with_reference(self, reference: Mapping[str, np.ndarray]) -> Evaluator:
+        """This evaluator with the FP32 outputs ``reference`` to judge against (itself when it has
+        them already): every output gets its judge."""
+        if self.reference is not None:
+            return self
+        return Evaluator(self.inputs, self.labels, reference, self.batch_size, self.threads,
+                         fixed_batch=self.fixed_batch, batch_axes=self.batch_axes)
+
+    def subset(self, samples: int) -> Evaluator:
+        """The same judges on the first ``samples`` samples."""
+        if samples >= self.samples:
+            return self
+        inputs = {name: array[:samples] for name, array in self.inputs.items()}
+        labels = self.labels[:samples] if self.labels is not None else None
+        reference = ({name: array[:samples] for name, array in self.reference.items()}
+                     if self.reference is not None else None)
+        return Evaluator(inputs, labels, reference, self.batch_size, self.threads,
+                         judges=self.judges, fixed_batch=self.fixed_batch,
+                         batch_axes=self.batch_axes)
+
+    def outputs(self, model_bytes: bytes, *, fold_relu: bool = False) -> dict[str, np.ndarray]:
+        """Every output of the model for every sample (``fold_relu``: as ONNX Runtime serves it,
         see :func:`model_outputs`)."""
-        return model_outputs(model_bytes, self.inputs, self.batch_size, fold_relu=fold_relu,
-                             threads=self.threads, fixed_batch=self.fixed_batch,
-                             batch_axes=self.batch_axes)
+        return all_model_outputs(model_bytes, self.inputs, self.batch_size, fold_relu=fold_relu,
+                                 threads=self.threads, fixed_batch=self.fixed_batch,
+                                 batch_axes=self.batch_axes)
 
-    @property
-    def dense(self) -> bool:
-        """Judged by agreement at every position of dense outputs (e.g. segmentation maps, or a
-        binary mask), not once per sample."""
-        return (self._kind in ("classes", "binary") and self.reference is not None
-                and self.reference.ndim > 2)
+    def scores(self, outputs: Mapping[str, np.ndarray]) -> tuple[float, ...]:
+        """Every judge's score of ``outputs`` (all of the model's, by name)."""
+        reference = self.reference if self.reference is not None else {}
+        return tuple(judge.score(reference, outputs, self.labels) for judge in self.judges)
 
-    @property
-    def predictions(self) -> int:
-        """How many predictions a score counts: one per sample, or one per sample and position
-        for dense outputs (0 when outputs are judged by their values)."""
-        if self._kind == "values":
+    def score(self, outputs: Mapping[str, np.ndarray]) -> float:
+        """The primary judge's score of ``outputs``."""
+        return float(self.primary.score(self.reference or {}, outputs, self.labels))
+
+    def baseline(self) -> tuple[float, ...]:
+        """The FP32 model's scores: 100 for agreement with itself, a cosine of 1, its top-1 and
+        its score by the user's evaluator."""
+        if self.reference is None:
+            raise InternalError("the baseline needs the FP32 outputs (with_reference)")
+        return self.scores(self.reference)
+
+    def verdict(self, scores: Sequence[float], baseline: Sequence[float], budget: float,
+                reference_metric: float | None = None) -> Verdict:
+        """Whether each held judge's score is within its tolerance: a drop from ``baseline`` of
+        at most its tolerance (``budget`` by default; a primary top-1's drop counted from
+        ``reference_metric`` when given, the unpruned model's top-1 after pruning), or at
+        least its minimum."""
+        passed = []
+        for index, (judge, score, base) in enumerate(zip(self.judges, scores, baseline)):
+            if not judge.held:
+                passed.append(True)
+            elif judge.agreement:
+                start = base
+                if reference_metric is not None and index == 0 and judge.kind == "top1":
+                    start = reference_metric
+                limit = budget if judge.tolerance is None else judge.tolerance
+                passed.append(start - score <= limit + _SLACK)
+            else:
+                minimum = judge.tolerance
+                if minimum is None:
+                    raise InternalError(f"fidelity judge {judge.name!r} has no minimum")
+                passed.append(score >= minimum - _SLACK)
+        return Verdict(tuple(float(score) for score in scores), tuple(passed))
+
+    def predictions(self, judge: Judge) -> int:
+        """How many predictions an agreement judge counts (0 for others): one per sample, per
+        position for class maps, per value for decisions and exact agreement."""
+        if not isinstance(judge, OutputJudge) or not judge.agreement:
             return 0
-        if self.dense:
-            assert self.reference is not None and self.judgement is not None  # dense says so
-            positions = [size for axis, size in enumerate(self.reference.shape)
-                         if axis not in (0, self.judgement.class_axis)]
-            return int(self.reference.shape[0] * np.prod(positions))
-        return len(next(iter(self.inputs.values())))
-
-    def score(self, outputs: np.ndarray) -> float:
-        if self.labels is not None:
-            return float((top1_classes(outputs) == self.labels).mean() * 100.0)
-        assert self.reference is not None and self.judgement is not None  # set in __init__
-        judgement, reference = self.judgement, self.reference
-        if outputs.shape != reference.shape:
-            raise InternalError(f"outputs {list(outputs.shape)} and the FP32 reference "
-                                f"{list(reference.shape)} differ in shape")
-        if judgement.kind == "values":
-            error = float(np.linalg.norm((outputs.astype(np.float64) - reference).ravel()))
-            signal = float(np.linalg.norm(reference.astype(np.float64).ravel()))
-            if not np.isfinite(error):
-                return 0.0
-            return float(max(0.0, 100.0 * (1.0 - error / signal))) if signal else (
-                100.0 if error == 0.0 else 0.0)
-        if judgement.kind == "binary":
-            agree = (outputs > judgement.threshold) == (reference > judgement.threshold)
-            return float(agree.mean() * 100.0)
-        # One argmax over the flattened C x H x W would compare a single pixel per sample.
-        agree = outputs.argmax(axis=judgement.class_axis) == reference.argmax(
-            axis=judgement.class_axis)
-        return float(agree.mean() * 100.0)
+        if judge.kind == "top1" or self.reference is None:
+            return self.samples
+        shape = next(iter(self.reference.values())).shape if not judge.name else \
+            self.reference[judge.name].shape
+        if judge.kind == "classes" and judge.axis is not None:
+            return int(np.prod([size for axis, size in enumerate(shape) if axis != judge.axis]))
+        if judge.kind == "decision" and judge.dense:
+            # An IoU counts the positions above the threshold (FP32's, at least).
+            want = self.reference[judge.name] if judge.name else next(iter(self.reference.values()))
+            return int(np.count_nonzero(want > judge.threshold))
+        return int(np.prod(shape))
 
     def __call__(self, model_bytes: bytes) -> float:
+        """The primary judge's score of the model."""
         return self.score(self.outputs(model_bytes))
 
 
@@ -275,53 +306,37 @@ def all_model_outputs(model_bytes: bytes, inputs: dict[str, np.ndarray], batch_s
     return {name: np.concatenate(part, axis=0) for name, part in zip(names, parts)}
 
 
-def warn_about_unjudged_outputs(outputs: Sequence[OutputFidelity]) -> None:
-    """Warn about outputs the budget did not judge that INT8 left far from FP32."""
-    for output in outputs:
-        if not output.judged and output.sqnr_db < POOR_OUTPUT_SQNR_DB:
-            log.warning("output %r follows FP32 poorly in INT8 (SQNR %.1f dB, cosine %.4f) and the "
-                        "accuracy budget judges only the first output: check it on your data, or "
-                        "keep the layers that feed it out of INT8", output.name, output.sqnr_db,
-                        output.cosine)
+def fidelity(reference: Mapping[str, np.ndarray], candidate: Mapping[str, np.ndarray],
+             judged: set[str]) -> list[OutputFidelity]:
+    """SQNR and cosine of every output of ``candidate`` against ``reference`` (``judged``: the
+    outputs a held judge looks at)."""
+    return [OutputFidelity(name, sqnr_db(want, candidate[name]), cosine_score(want, candidate[name]),
+                           judged=name in judged)
+            for name, want in reference.items()]
 
 
 def output_fidelity(float_model: bytes, int8_model: bytes, inputs: dict[str, np.ndarray],
                     threads: int = 2, *, fixed_batch: int | None = None,
                     batch_axes: dict[str, int] | None = None) -> list[OutputFidelity]:
     """SQNR and cosine of every output of ``int8_model`` against ``float_model`` on ``inputs``
-    (``fixed_batch``, ``batch_axes``: see :func:`all_model_outputs`).
-
-    The accuracy budget scores the first output only; for a model with several (boxes and
-    scores, logits and embeddings) this is what shows whether the others survived INT8.
-    """
+    (each marked judged: without judges, each is what it is compared by; ``fixed_batch``,
+    ``batch_axes``: see :func:`all_model_outputs`)."""
     reference = all_model_outputs(float_model, inputs, threads=threads, fixed_batch=fixed_batch,
                                   batch_axes=batch_axes)
     quantized = all_model_outputs(int8_model, inputs, threads=threads, fixed_batch=fixed_batch,
                                   batch_axes=batch_axes)
-    return [
-        OutputFidelity(name, sqnr_db(want, quantized[name]), cosine_similarity(want, quantized[name]),
-                       judged=index == 0)
-        for index, (name, want) in enumerate(reference.items())
-    ]
+    return fidelity(reference, quantized, set(reference))
 
 
-def top1_classes(outputs: np.ndarray) -> np.ndarray:
-    """Predicted class per sample; outputs beyond 2-D are flattened per sample."""
-    return outputs.reshape(outputs.shape[0], -1).argmax(axis=1)
-
-
-def sqnr_db(reference: np.ndarray, test: np.ndarray) -> float:
-    """Signal-to-quantization-noise ratio of ``test`` against ``reference``, in dB."""
-    noise = float(np.sum((reference.astype(np.float64) - test) ** 2))
-    signal = float(np.sum(reference.astype(np.float64) ** 2))
-    if noise == 0.0:
-        return float("inf")
-    return 10.0 * float(np.log10(max(signal, 1e-30) / noise))
-
-
-def cosine_similarity(reference: np.ndarray, test: np.ndarray) -> float:
-    a = reference.reshape(reference.shape[0], -1).astype(np.float64)
-    b = test.reshape(test.shape[0], -1).astype(np.float64)
-    numerator = np.sum(a * b, axis=1)
-    denominator = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    return float(np.mean(numerator / np.maximum(denominator, 1e-30)))
+def warn_about_unjudged_outputs(outputs: Sequence[OutputFidelity]) -> list[str]:
+    """Warn about outputs no held judge looked at that INT8 left far from FP32; returns the
+    warnings."""
+    warnings = []
+    for output in outputs:
+        if not output.judged and output.sqnr_db < POOR_OUTPUT_SQNR_DB:
+            warnings.append(f"output {output.name!r} follows FP32 poorly in INT8 (SQNR "
+                            f"{output.sqnr_db:.1f} dB, cosine {output.cosine:.4f}) and no held "
+                            "judge looks at it: check it on your data, or hold it with "
+                            f"--output-metric {output.name}=cosine")
+            log.warning("%s", warnings[-1])
+    return warnings
