@@ -119,6 +119,8 @@ def test_accurate_model_stays_fully_int8_within_budget(digits, trained_onnx, tmp
         tmp_path / "again").candidates}
     assert len(result.sensitivity) == 6  # 4 convs, the residual add, the classifier
     assert result.calibration["samples"] == 512
+    # Calibration, the one quantize_static call, and deriving every variant the search tried.
+    assert {"calibration_s", "quantize_static_s", "variants_s"} <= result.seconds.keys()
     assert all(-1.0 <= layer.cosine <= 1.0 for layer in result.sensitivity)
     assert [layer.sqnr_db for layer in result.sensitivity] == sorted(layer.sqnr_db for layer in result.sensitivity)
     [output] = result.outputs

@@ -1,7 +1,11 @@
 """INT8 post-training quantization to a QDQ ONNX model that TensorRT accepts, with mixed precision.
 
 - :mod:`models.quantize.qdq`: the QDQ format TensorRT needs and :class:`QdqQuantizer`, which
-  calibrates once and quantizes with ONNX Runtime's ``quantize_static``;
+  calibrates once and quantizes once with ONNX Runtime's ``quantize_static``;
+- :mod:`models.quantize.ranges`: the calibrated activation ranges (entropy, percentile,
+  min-max), as ONNX Runtime's calibrators compute them, in a fraction of their time and memory;
+- :mod:`models.quantize.variants`: the mixed-precision variants (layers kept out of INT8),
+  derived from the fully quantized model by editing its graph;
 - :mod:`models.quantize.evaluate`: scoring a model on fixed samples (:class:`Evaluator`) and how
   closely its outputs follow the FP32 model's (SQNR, cosine);
 - :mod:`models.quantize.search`: the mixed-precision search and :func:`quantize_model`, which
