@@ -230,6 +230,7 @@ def quantize_model(
     outputs = output_fidelity(float_model, model_bytes, sensitivity_evaluator.inputs,
                               threads=evaluator.threads)
     warn_about_unjudged_outputs(outputs)
+    timings.update(quantizer.seconds)  # calibration_s, quantize_static_s, variants_s
     timings["total_s"] = time.perf_counter() - started
     if fp16_layers and len(fp16_layers) == len(quantizer.candidates):
         log.warning("no layer could run in INT8 within the accuracy budget: the bundle's model "
