@@ -1,7 +1,11 @@
 """INT8 post-training quantization to a QDQ ONNX model that TensorRT accepts, with mixed precision.
 
 - :mod:`models.quantize.qdq`: the QDQ format TensorRT needs and :class:`QdqQuantizer`, which
-  calibrates once and quantizes with ONNX Runtime's ``quantize_static``;
+  calibrates once and quantizes once with ONNX Runtime's ``quantize_static``;
+- :mod:`models.quantize.ranges`: the calibrated activation ranges (entropy, percentile,
+  min-max), as ONNX Runtime's calibrators compute them, in a fraction of their time and memory;
+- :mod:`models.quantize.variants`: the mixed-precision variants (layers kept out of INT8),
+  derived from the fully quantized model by editing its graph;
 - :mod:`models.quantize.judges`: how each output is judged against FP32 (by what it is, or as
   the user says: ``--output-metric``, ``--evaluator``), from what the graph tells
   (:mod:`~models.quantize.graph_facts`) and with the measures of

@@ -538,6 +538,7 @@ def quantize_model(
         final.model_bytes)
     outputs = fidelity(evaluator.reference or {}, final_outputs, held)
     warnings += warn_about_unjudged_outputs(outputs)
+    timings.update(quantizer.seconds)  # calibration_s, quantize_static_s, variants_s
     timings["total_s"] = time.perf_counter() - started
     return QuantizeResult(
         model_bytes=final.model_bytes,
