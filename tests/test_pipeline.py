@@ -689,7 +689,9 @@ def test_a_model_with_only_a_dynamic_height_gets_a_height_range(tmp_path, keys):
     model = _export(_small_cnn(), {"input": (2, 3, 32, 32)},
                     {"input": {0: "batch", 2: "height"}}, tmp_path / "tall.onnx")
     out = tmp_path / "out"
-    manifest = _build_onnx(model, _samples(tmp_path / "c", (3, 32, 32)), keys, out)
+    # 24 held-out samples of a random-weight CNN: one changed class costs 4.2 points.
+    manifest = _build_onnx(model, _samples(tmp_path / "c", (3, 32, 32)), keys, out,
+                           "--accuracy-budget", "10")
     assert manifest["inputs"][0]["layout"] == "NCHW"
     # Without --frame-size, frames are deployed at the calibration samples' size.
     assert manifest["engine_profile"]["height"] == [32, 32, 64]

@@ -59,7 +59,8 @@ def _build(options: BuildOptions) -> BuildResult:
         speed = stages.run("host speed check", _speed_report, float_bytes, quantized.model_bytes,
                            meta, options)
         report["speed"] = speed
-        report["warnings"] = _warnings(quantized, meta, speed)
+        # Earlier stages may have warned already (a fixed batch, models.pipeline.batching).
+        report["warnings"] = report.get("warnings", []) + _warnings(quantized, meta, speed)
         files, engines = _model_files(work, quantized, meta, options, stages)
 
         manifest = _manifest(name, version, quantized, engines, report["accuracy"], meta, options)

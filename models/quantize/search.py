@@ -43,6 +43,7 @@ from models.quantize.evaluate import (
 )
 from models.quantize.fp16 import emulate_fp16, float_tensors
 from models.quantize.judges import OutputJudge
+from models.quantize.local_error import local_sensitivity
 from models.quantize.measures import cosine_score, sqnr_db
 from models.quantize.qdq import CALIBRATION_METHODS, QdqQuantizer, quantized_layers
 
@@ -54,6 +55,9 @@ MOSTLY_KEPT_OUT = 0.5
 # Where even every layer kept out of INT8 fails, the per-layer table for the error is measured
 # for at most this long (the search has nothing left to find).
 UNREACHABLE_TABLE_S = 30.0
+# The most time the per-layer sensitivity may take quantizing layers one at a time (estimated from
+# the evaluations so far) before the one-pass measure of models.quantize.local_error ranks them.
+EXACT_SENSITIVITY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -577,9 +581,22 @@ def _mixed(search: _Search, clock: _Clock, evaluator: Evaluator, config: Quantiz
     # Leave the bisection its share of the time limit: one evaluation per halving.
     reserve = (_bisection_steps(len(candidates)) + 1) * search.mean_seconds()
     limit = None if config.search_time_s is None else max(clock.remaining() - reserve, 0.0)
-    sensitivity, _ = measure_sensitivity(search.quantizer,
-                                         evaluator.subset(config.sensitivity_samples),
-                                         progress=config.progress, time_limit_s=limit)
+    subset = evaluator.subset(config.sensitivity_samples)
+    # One evaluation per layer, on the subset: beyond EXACT_SENSITIVITY_S, rank the layers in one
+    # pass by their own share of the fully quantized model's error instead (models.quantize.local_error).
+    estimate = len(candidates) * search.mean_seconds() * subset.samples / max(evaluator.samples, 1)
+    if estimate > EXACT_SENSITIVITY_S:
+        log.info("layer sensitivity in one pass (each layer's own SQNR loss in the fully INT8 "
+                 "model): quantizing the %d layers one at a time would take about %.0f s",
+                 len(candidates), estimate)
+        sensitivity = local_sensitivity(search.quantizer.float_model,
+                                        search.quantizer.quantize(exclude=[]),
+                                        search.quantizer.candidates, subset.inputs,
+                                        threads=evaluator.threads,
+                                        fixed_batch=evaluator.fixed_batch)
+    else:
+        sensitivity, _ = measure_sensitivity(search.quantizer, subset,
+                                             progress=config.progress, time_limit_s=limit)
     timings["sensitivity_s"] = time.perf_counter() - sensitivity_started
     search_started = time.perf_counter()
     kept_out, _, _, _, summary = search_mixed_precision(
