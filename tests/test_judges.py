@@ -462,6 +462,30 @@ def test_the_search_needs_a_logarithmic_number_of_evaluations(tmp_path):
     assert len(refined.fp16_layers) <= len(result.fp16_layers)
 
 
+def test_many_layers_are_ranked_in_one_pass_and_the_search_still_meets_the_tolerance(
+        tmp_path, monkeypatch):
+    import models.quantize.search as search_module
+
+    # As if quantizing the layers one at a time would take too long: the one-pass ranking.
+    monkeypatch.setattr(search_module, "EXACT_SENSITIVITY_S", 0.0)
+    layers = 17
+    model = _chain(layers)
+    samples = np.random.default_rng(6).standard_normal((96, 16)).astype(np.float32)
+    tolerance = _strict_sqnr(model, samples, 8.0)
+    result = _quantize(model, samples, tmp_path,
+                       QuantizeConfig(method="minmax", progress=False, refine_evaluations=0),
+                       overrides=[OutputMetric("out", "sqnr", tolerance)])
+    assert {layer.output for layer in result.sensitivity} == {"local"}
+    assert sorted(layer.name for layer in result.sensitivity) == sorted(
+        name for name in result.int8_layers + result.fp16_layers)
+    assert result.full_int8_metric < tolerance <= result.int8_metric
+    assert 1 <= len(result.fp16_layers) < layers
+    assert len(result.search_trace) <= math.ceil(math.log2(layers)) + 2
+    # Noisiest first: the ranking's numbers ascend.
+    ranked = [layer.sqnr_db for layer in result.sensitivity]
+    assert ranked == sorted(ranked)
+
+
 def test_a_budget_no_layer_set_meets_stops_at_once_with_the_layer_table(tmp_path):
     model = _chain(6)
     samples = np.random.default_rng(7).standard_normal((64, 16)).astype(np.float32)

@@ -2,11 +2,11 @@
 
 Quantizing each candidate layer alone costs a session and an evaluation per layer: for the
 PP-OCRv4 recognizer (148 candidates) that is about 8 s a layer on this 2-core host, some 20
-minutes before the search starts. This module ranks the layers from two runs instead: the FP32
-model and the fully quantized one, each with every candidate's input and output tensors exposed.
-A layer's own share of the INT8 error is how much signal-to-noise it loses between its inputs
-(the worst of them) and its output: the noise its quantized inputs and weights add on top of what
-reached it. The ranking only orders the layers for the bisection, which then judges real models,
+minutes before the search starts. This module ranks the layers from one run instead: the FP32
+model with, beside each candidate layer, a copy that reads the same FP32 tensors through the
+Q/DQ pairs the fully quantized model gives that layer. The copy's error is the layer's own INT8
+error on clean inputs (error propagated from earlier layers left out, which would hide a late
+layer's own noise behind what reached it). The ranking only orders the layers for the bisection, which then judges real models,
 so a proxy that gets the order roughly right costs a few extra evaluations at worst.
 """
 
@@ -34,42 +34,88 @@ CHUNK_SAMPLES = 4  # samples per run: the exposed tensors of a batch stay small
 def local_sensitivity(float_model: Any, int8_bytes: bytes, candidates: Sequence[tuple[str, str]],
                       inputs: dict[str, np.ndarray], *, threads: int = 2,
                       fixed_batch: int | None = None) -> list[LayerSensitivity]:
-    """Each candidate layer's loss of SQNR (dB) from its worst input to its output in the fully
-    quantized model ``int8_bytes`` against ``float_model`` (the quantizer's float ModelProto),
-    on ``inputs``; the layers losing most first. ``LayerSensitivity.sqnr_db`` is the layer
-    output's SQNR there and ``output`` names the measure ("local")."""
+    """Each candidate layer's own INT8 error on clean inputs: its output in ``float_model`` (the
+    quantizer's float ModelProto) against a copy of it that reads the same FP32 tensors through
+    the Q/DQ pairs the fully quantized model ``int8_bytes`` puts before it (activation scales and
+    per-channel weight scales), on ``inputs``; as an SQNR in dB (``LayerSensitivity.sqnr_db``;
+    ``output`` names the measure, "local"), the noisiest layers first. A layer whose Q/DQ inputs
+    cannot be traced back to FP32 tensors is ranked first, as if it were the most sensitive."""
     onnx = require("onnx", extra="host", purpose="per-layer sensitivity")
-    candidates_by_name = dict(candidates)
-    wanted = set(candidates_by_name)
-    initializers = {init.name for init in float_model.graph.initializer}
-    layer_io: dict[str, tuple[list[str], str]] = {}
-    for node in float_model.graph.node:
-        if node.name in wanted and node.output:
-            data = [name for name in node.input if name and name not in initializers]
-            layer_io[node.name] = (data, node.output[0])
-    tensors = sorted({name for data, output in layer_io.values() for name in (*data, output)})
-    graph_inputs = {value.name for value in float_model.graph.input}
-    exposed = [name for name in tensors if name not in graph_inputs]
-    int8_model = onnx.load_from_string(int8_bytes)
-    signal, noise = _error_powers(_exposing(onnx, float_model, exposed),
-                                  _exposing(onnx, int8_model, exposed), exposed, inputs,
-                                  threads, fixed_batch)
-
-    def sqnr(name: str) -> float:
-        if name in graph_inputs or name not in signal:
-            return CLEAN_SQNR_DB
-        if noise[name] == 0.0:
-            return CLEAN_SQNR_DB
-        return min(CLEAN_SQNR_DB, 10.0 * math.log10(max(signal[name], 1e-30) / noise[name]))
-
+    combined, pairs = _with_local_copies(onnx, float_model, onnx.load_from_string(int8_bytes),
+                                         candidates)
+    names = [tensor for pair in pairs.values() for tensor in pair]
+    measured = _error_powers(_exposing(onnx, combined, names), pairs, inputs, threads,
+                             fixed_batch) if pairs else {}
     ranked = []
-    for name, (data, output) in layer_io.items():
-        incoming = min((sqnr(tensor) for tensor in data), default=CLEAN_SQNR_DB)
-        outgoing = sqnr(output)
-        ranked.append((incoming - outgoing, LayerSensitivity(
-            name, candidates_by_name[name], outgoing, float("nan"), "local")))
-    ranked.sort(key=lambda entry: (-entry[0], entry[1].name))
-    return [layer for _, layer in ranked]
+    for name, op_type in candidates:
+        sqnr = measured.get(name, float("nan"))
+        ranked.append(LayerSensitivity(name, op_type, sqnr, float("nan"), "local"))
+    ranked.sort(key=lambda layer: (-math.inf if math.isnan(layer.sqnr_db) else layer.sqnr_db,
+                                   layer.name))
+    return ranked
+
+
+def _with_local_copies(onnx: Any, float_model: Any, int8_model: Any,
+                       candidates: Sequence[tuple[str, str]]) -> tuple[Any, dict[str, tuple[str, str]]]:
+    """``float_model`` with a copy of each candidate layer whose inputs pass through the Q/DQ
+    pairs ``int8_model`` gives that layer, fed from the FP32 tensors; and each traced layer's
+    (FP32 output, copy's output)."""
+    combined = onnx.ModelProto()
+    combined.CopyFrom(float_model)
+    graph = combined.graph
+    known = {value.name for value in graph.input} | {init.name for init in graph.initializer}
+    known |= {output for node in graph.node for output in node.output}
+    present = {init.name for init in graph.initializer}
+    int8_initializers = {init.name: init for init in int8_model.graph.initializer}
+    producers = {output: node for node in int8_model.graph.node for output in node.output}
+    float_nodes = {node.name: node for node in float_model.graph.node}
+    int8_nodes = {node.name: node for node in int8_model.graph.node}
+
+    def needs(tensor: str) -> bool:
+        """Bring an initializer of the INT8 model along; False where the tensor is unknown."""
+        if tensor in known or not tensor:
+            return True
+        if tensor in int8_initializers:
+            graph.initializer.append(int8_initializers[tensor])
+            known.add(tensor)
+            present.add(tensor)
+            return True
+        return False
+
+    pairs: dict[str, tuple[str, str]] = {}
+    for name, _ in candidates:
+        node, reference = int8_nodes.get(name), float_nodes.get(name)
+        if node is None or reference is None or not reference.output:
+            continue
+        added: list[Any] = []
+        copied_inputs: list[str] = []
+        for index, tensor in enumerate(node.input):
+            dequantize = producers.get(tensor)
+            if dequantize is None or dequantize.op_type != "DequantizeLinear":
+                copied_inputs.append(tensor)
+                if not needs(tensor):
+                    break
+                continue
+            quantize = producers.get(dequantize.input[0])
+            if quantize is None or quantize.op_type != "QuantizeLinear" or not all(
+                    needs(part) for part in (*quantize.input, *dequantize.input[1:])):
+                break
+            stem = f"{name}__local{index}"
+            added.append(onnx.helper.make_node("QuantizeLinear", list(quantize.input),
+                                               [f"{stem}_q"], name=f"{stem}_q"))
+            added[-1].attribute.extend(quantize.attribute)
+            added.append(onnx.helper.make_node(
+                "DequantizeLinear", [f"{stem}_q", *dequantize.input[1:]], [f"{stem}_dq"],
+                name=f"{stem}_dq"))
+            added[-1].attribute.extend(dequantize.attribute)
+            copied_inputs.append(f"{stem}_dq")
+        else:
+            copy = onnx.helper.make_node(node.op_type, copied_inputs, [f"{name}__local_out"],
+                                         name=f"{name}__local", domain=node.domain)
+            copy.attribute.extend(node.attribute)
+            graph.node.extend([*added, copy])
+            pairs[name] = (reference.output[0], f"{name}__local_out")
+    return combined, pairs
 
 
 def _exposing(onnx: Any, model: Any, names: Sequence[str]) -> bytes:
@@ -84,25 +130,26 @@ def _exposing(onnx: Any, model: Any, names: Sequence[str]) -> bytes:
     return copy.SerializeToString()
 
 
-def _error_powers(float_bytes: bytes, int8_bytes: bytes, names: Sequence[str],
+def _error_powers(model_bytes: bytes, pairs: dict[str, tuple[str, str]],
                   inputs: dict[str, np.ndarray], threads: int, fixed_batch: int | None
-                  ) -> tuple[dict[str, float], dict[str, float]]:
-    """Sum of squares of each tensor in the FP32 run and of its INT8 error, over ``inputs`` in
-    small chunks (exactly ``fixed_batch`` rows where the graph needs it, the last chunk filled
-    with repeated samples)."""
-    float_session = create_session(float_bytes, threads=threads, fold_relu=False)
-    int8_session = create_session(int8_bytes, threads=threads, fold_relu=False)
+                  ) -> dict[str, float]:
+    """Each layer's SQNR (dB) of its copy's output against its FP32 output, summed over
+    ``inputs`` in small chunks (exactly ``fixed_batch`` rows where the graph needs it, the last
+    chunk filled with repeated samples)."""
+    session = create_session(model_bytes, threads=threads, fold_relu=False)
+    names = [tensor for pair in pairs.values() for tensor in pair]
     count = len(next(iter(inputs.values())))
     chunk = fixed_batch or CHUNK_SAMPLES
-    signal = dict.fromkeys(names, 0.0)
-    noise = dict.fromkeys(names, 0.0)
+    signal = dict.fromkeys(pairs, 0.0)
+    noise = dict.fromkeys(pairs, 0.0)
     for start in range(0, count, chunk):
         rows = np.arange(start, start + chunk) % count if fixed_batch else slice(start, start + chunk)
-        feed = {name: array[rows] for name, array in inputs.items()}
-        want = float_session.run(list(names), feed)
-        got = int8_session.run(list(names), feed)
-        for name, reference, test in zip(names, want, got):
-            reference = np.asarray(reference, dtype=np.float64)
-            signal[name] += float(np.sum(reference ** 2))
-            noise[name] += float(np.sum((reference - np.asarray(test, dtype=np.float64)) ** 2))
-    return signal, noise
+        values = dict(zip(names, session.run(names, {name: array[rows]
+                                                     for name, array in inputs.items()})))
+        for layer, (reference_name, copy_name) in pairs.items():
+            reference = np.asarray(values[reference_name], dtype=np.float64)
+            signal[layer] += float(np.sum(reference ** 2))
+            noise[layer] += float(np.sum((reference - values[copy_name]) ** 2))
+    return {layer: CLEAN_SQNR_DB if noise[layer] == 0.0 else min(
+        CLEAN_SQNR_DB, 10.0 * math.log10(max(signal[layer], 1e-30) / noise[layer]))
+        for layer in pairs}
