@@ -246,6 +246,15 @@ class OutputJudge:
                 split_parts(want, self.axis, self.parts), split_parts(got, self.axis, self.parts)))
         return measure(want, got)
 
+    def parts_sqnr(self, reference: np.ndarray, candidate: np.ndarray) -> float:
+        """The SQNR of this output, of its worst concatenated part where it has parts (what the
+        search ranks layers by)."""
+        if not self.parts or self.axis is None:
+            return sqnr_db(reference, candidate)
+        return min(sqnr_db(want, got) for want, got in zip(
+            split_parts(reference, self.axis, self.parts),
+            split_parts(candidate, self.axis, self.parts)))
+
     def describe(self) -> str:
         what = {
             "top1": ("top-1 against the labels" + (f" (argmax over axis {self.axis})"
