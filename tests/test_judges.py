@@ -535,9 +535,9 @@ def test_a_users_judge_of_fidelity_needs_no_budget_points():
     assert OutputJudge("boxes", "sqnr", "test").limit_text(1.0) == ">= 20.0 dB"
 
 
-def test_a_mostly_empty_mask_is_judged_by_the_iou_of_what_it_holds():
+def test_a_mostly_empty_mask_is_judged_by_the_f1_of_what_it_holds():
     # Text in a photo: 0.5% of the positions above 0.5. INT8 losing all of it keeps 99.5% of the
-    # positions' decisions, and an IoU of 0.
+    # positions' decisions, and an F1 of 0.
     mask = np.full((2, 1, 20, 20), 0.01, np.float32)
     mask[0, 0, 3, :4] = 0.9
     empty = np.full_like(mask, 0.01)

@@ -896,7 +896,7 @@ def test_a_binary_mask_is_judged_by_its_decision(tmp_path, keys):
                 "--accuracy-budget", "100")
     accuracy = json.loads((tmp_path / "out" / "report.json").read_text())["accuracy"]
     assert accuracy["metric"] == "agreement"
-    assert accuracy["metric_description"].startswith("IoU of the positions where output > 0")
+    assert accuracy["metric_description"].startswith("F1 of the positions where output > 0")
     assert accuracy["int8_all_layers"] < 100.0  # argmax over one channel said 100 whatever changed
 
 

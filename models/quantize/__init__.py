@@ -41,7 +41,7 @@ from models.quantize.judges import (
 from models.quantize.measures import (
     cosine_score,
     cosine_similarity,
-    decision_iou,
+    decision_f1,
     sqnr_db,
     top1_classes,
 )
@@ -88,7 +88,7 @@ __all__ = [
     "choose_judges",
     "cosine_score",
     "cosine_similarity",
-    "decision_iou",
+    "decision_f1",
     "fidelity",
     "finite_or_none",
     "format_sensitivity",
