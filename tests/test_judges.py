@@ -489,6 +489,9 @@ def test_the_search_time_bounds_the_search_and_says_so(tmp_path):
     result = _quantize(model, samples, tmp_path, config,
                        overrides=[OutputMetric("out", "sqnr", tolerance)])
     assert result.search["stopped_by_time"]
+    # Sensitivity had no time either: one layer measured, the others rank beside it.
+    assert len(result.sensitivity) == 8
+    assert sum(math.isnan(layer.sqnr_db) for layer in result.sensitivity) == 7
     # The best passing set found before the limit: every layer kept out.
     assert result.fp16_throughout and len(result.fp16_layers) == 8
     assert any("stopped early: the search time limit (0.001 s) ran out" in warning
@@ -513,6 +516,19 @@ def test_a_build_with_no_int8_layer_is_refused_unless_accepted(tmp_path):
                        overrides=strict)
     assert result.fp16_throughout and result.fp16_layers == ["gemm0"]
     assert any("FP16 throughout" in warning for warning in result.warnings)
+
+
+def test_layers_left_unmeasured_rank_as_a_median_measured_one():
+    from models.quantize import LayerSensitivity, rank_layers
+
+    def layer(name, sqnr):
+        return LayerSensitivity(name, "Conv", sqnr, float("nan"), "out")
+
+    measured = [layer("a", 30.0), layer("b", 10.0), layer("c", 20.0), layer("nan", float("nan"))]
+    unmeasured = [layer("late", float("nan")), layer("head", float("nan"))]
+    order = [entry.name for entry in rank_layers(measured, unmeasured)]
+    # NaN first (an output holding NaN), then by SQNR; the unmeasured beside the median (20 dB).
+    assert order == ["nan", "b", "c", "head", "late", "a"]
 
 
 def test_kept_out_layers_are_judged_in_fp16():

@@ -273,8 +273,8 @@ def measure_sensitivity(
     """Quantize each candidate layer alone and measure how far the outputs held by a judge move
     (the worst output's SQNR); most sensitive first.
 
-    Stops when ``time_limit_s`` runs out: the layers measured come first, in order, the rest
-    after them in graph order. Returns the table and whether every layer was measured.
+    Stops when ``time_limit_s`` runs out: the layers left unmeasured (SQNR NaN in the table)
+    rank as a median measured layer. Returns the table and whether every layer was measured.
     """
     reference = float_outputs if float_outputs is not None else evaluator.reference
     if reference is None:
@@ -300,7 +300,7 @@ def measure_sensitivity(
         elapsed = time.perf_counter() - started
         if time_limit_s is not None and index and elapsed + elapsed / index > time_limit_s:
             log.warning("layer sensitivity stopped at its time limit after %d of %d layers "
-                        "(%.0f s); the rest are ranked after them, in graph order", index, total,
+                        "(%.0f s); the rest rank as a median measured layer", index, total,
                         elapsed)
             break
         outputs = evaluator.outputs(quantizer.quantize(only=[name]))
@@ -318,14 +318,29 @@ def measure_sensitivity(
             next_report = done + 0.1
     if bar is not None:
         bar.close()
-    # Most sensitive first; a NaN (an output holding NaN) counts as the most sensitive.
-    results.sort(key=lambda layer: (-math.inf if math.isnan(layer.sqnr_db) else layer.sqnr_db,
-                                    layer.name))
     measured_names = {layer.name for layer in results}
-    complete = len(results) == total
-    results += [LayerSensitivity(name, op_type, float("nan"), float("nan"), "")
-                for name, op_type in quantizer.candidates if name not in measured_names]
-    return results, complete
+    unmeasured = [LayerSensitivity(name, op_type, float("nan"), float("nan"), "")
+                  for name, op_type in quantizer.candidates if name not in measured_names]
+    return rank_layers(results, unmeasured), not unmeasured
+
+
+def rank_layers(measured: Sequence[LayerSensitivity], unmeasured: Sequence[LayerSensitivity]
+                ) -> list[LayerSensitivity]:
+    """Most sensitive first (lowest SQNR; a NaN from an output holding NaN counts as the
+    lowest). Layers a time limit left unmeasured rank as a median measured one, after it:
+    nothing says they are harmless (a detector's last layers, measured last, are often the
+    ones INT8 hurts)."""
+    scores = [layer.sqnr_db for layer in measured if not math.isnan(layer.sqnr_db)]
+    median = float(np.median(scores)) if scores else 0.0
+
+    def key(entry: tuple[bool, LayerSensitivity]) -> tuple[float, bool, str]:
+        known, layer = entry
+        if not known:
+            return median, True, layer.name
+        return (-math.inf if math.isnan(layer.sqnr_db) else layer.sqnr_db), False, layer.name
+
+    entries = [(True, layer) for layer in measured] + [(False, layer) for layer in unmeasured]
+    return [layer for _, layer in sorted(entries, key=key)]
 
 
 def search_mixed_precision(
