@@ -513,6 +513,9 @@ def test_the_search_time_bounds_the_search_and_says_so(tmp_path):
     result = _quantize(model, samples, tmp_path, config,
                        overrides=[OutputMetric("out", "sqnr", tolerance)])
     assert result.search["stopped_by_time"]
+    # Sensitivity had no time either: one layer measured, the others rank beside it.
+    assert len(result.sensitivity) == 8
+    assert sum(math.isnan(layer.sqnr_db) for layer in result.sensitivity) == 7
     # The best passing set found before the limit: every layer kept out.
     assert result.fp16_throughout and len(result.fp16_layers) == 8
     assert any("stopped early: the search time limit (0.001 s) ran out" in warning
@@ -539,6 +542,19 @@ def test_a_build_with_no_int8_layer_is_refused_unless_accepted(tmp_path):
     assert any("FP16 throughout" in warning for warning in result.warnings)
 
 
+def test_layers_left_unmeasured_rank_as_a_median_measured_one():
+    from models.quantize import LayerSensitivity, rank_layers
+
+    def layer(name, sqnr):
+        return LayerSensitivity(name, "Conv", sqnr, float("nan"), "out")
+
+    measured = [layer("a", 30.0), layer("b", 10.0), layer("c", 20.0), layer("nan", float("nan"))]
+    unmeasured = [layer("late", float("nan")), layer("head", float("nan"))]
+    order = [entry.name for entry in rank_layers(measured, unmeasured)]
+    # NaN first (an output holding NaN), then by SQNR; the unmeasured beside the median (20 dB).
+    assert order == ["nan", "b", "c", "head", "late", "a"]
+
+
 def test_kept_out_layers_are_judged_in_fp16():
     from models.quantize.fp16 import emulate_fp16, float_tensors
 
@@ -559,9 +575,9 @@ def test_a_users_judge_of_fidelity_needs_no_budget_points():
     assert OutputJudge("boxes", "sqnr", "test").limit_text(1.0) == ">= 20.0 dB"
 
 
-def test_a_mostly_empty_mask_is_judged_by_the_iou_of_what_it_holds():
+def test_a_mostly_empty_mask_is_judged_by_the_f1_of_what_it_holds():
     # Text in a photo: 0.5% of the positions above 0.5. INT8 losing all of it keeps 99.5% of the
-    # positions' decisions, and an IoU of 0.
+    # positions' decisions, and an F1 of 0.
     mask = np.full((2, 1, 20, 20), 0.01, np.float32)
     mask[0, 0, 3, :4] = 0.9
     empty = np.full_like(mask, 0.01)

@@ -906,7 +906,7 @@ def test_a_binary_mask_is_judged_by_its_decision(tmp_path, keys):
                 "--accuracy-budget", "100")
     accuracy = json.loads((tmp_path / "out" / "report.json").read_text())["accuracy"]
     assert accuracy["metric"] == "agreement"
-    assert accuracy["metric_description"].startswith("IoU of the positions where output > 0")
+    assert accuracy["metric_description"].startswith("F1 of the positions where output > 0")
     assert accuracy["int8_all_layers"] < 100.0  # argmax over one channel said 100 whatever changed
 
 
@@ -1098,3 +1098,22 @@ def test_a_build_keeping_most_layers_out_of_int8_says_so_with_its_speed():
     assert "runs at 1.05x the FP32 model's speed on this host" in most
     assert _warnings(result(2, 4), meta, {"int8_speedup": 1.8}) == ["from the split",
                                                                    "from the search"]
+
+
+def test_a_tolerance_no_layer_set_meets_ends_the_build_at_once(tmp_path, keys, capsys):
+    import time
+
+    model, calib = _tiny_onnx(tmp_path, 4)
+    started = time.perf_counter()
+    status = main(["build", "--onnx", str(model), "--calib-dir", str(calib), "--key", str(keys),
+                   "--out", str(tmp_path / "out"), "--calib-samples", "24",
+                   "--output-metric", "out=sqnr:200"])
+    assert status == 1 and time.perf_counter() - started < 60.0
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("edge-agent: error: the accuracy budget cannot be met even with every "
+                           "layer kept out of INT8")
+    assert "out: sqnr" in last and "needs >= 200.0 dB" in last and "most_sensitive=gemm" in last
+    # The per-layer table went to the log before the error.
+    assert "per-layer sensitivity (that layer alone in INT8), most sensitive first" in err
+    assert _outputs(tmp_path / "out") == set()

@@ -292,14 +292,14 @@ def test_one_channel_outputs_are_judged_by_their_decision_not_a_trivial_argmax()
     assert "4-D one channel" in judge.reason and judge.dense
     positive = int((logits > 0).sum())
     assert evaluator.metric_name == "agreement" and evaluator.predictions(judge) == positive
-    # Dense decisions are judged by the IoU of the positions above the threshold.
+    # Dense decisions are judged by the F1 score of the positions above the threshold.
     flipped = logits.copy()
     row = flipped[0, 0, 0]
     lost = int((row[:4] > 0).sum())
     gained = 4 - lost
     flipped[0, 0, 0, :4] = -row[:4]  # 4 positions change side
     assert evaluator.score({"mask": flipped}) == pytest.approx(
-        100.0 * (positive - lost) / (positive + gained))
+        200.0 * (positive - lost) / (2 * positive - lost + gained))
     # Probabilities in [0, 1] are cut at 0.5; a single logit per sample (N x 1) at 0.
     probabilities = 1.0 / (1.0 + np.exp(-logits))
     assert Evaluator(inputs, reference={"p": probabilities}).primary.threshold == 0.5

@@ -62,14 +62,15 @@ def _accuracy_report(result: QuantizeResult, meta: dict[str, Any],
     fp32, int8_all_layers, int8; drop and budget for agreement metrics), and every judge
     (``judges``: per output, its judge and why, its tolerance, its scores and whether it
     passed) with the samples they judged."""
+    digits = 5 if result.metric_name == "cosine" else 3
     accuracy: dict[str, Any] = {
         "metric": result.metric_name,
         "metric_description": result.metric_description,
         "dataset": meta["dataset"],
         "samples": meta.get("samples"),
-        "fp32": finite_or_none(result.float_metric, 3),
-        "int8_all_layers": finite_or_none(result.full_int8_metric, 3),
-        "int8": finite_or_none(result.int8_metric, 3),
+        "fp32": finite_or_none(result.float_metric, digits),
+        "int8_all_layers": finite_or_none(result.full_int8_metric, digits),
+        "int8": finite_or_none(result.int8_metric, digits),
         "fp16_layers": len(result.fp16_layers),
         "judges": result.judges,
         # Every output of the final model against FP32, on the judged samples.

@@ -8,9 +8,8 @@ samples of the calibration directory held out from calibration (:func:`_split_sa
 from __future__ import annotations
 
 import logging
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from agent.errors import CalibrationError, ConfigError, PruningError
 from models.calibration import CalibrationSet, from_array, from_directory

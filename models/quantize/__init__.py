@@ -45,7 +45,7 @@ from models.quantize.judges import (
 from models.quantize.measures import (
     cosine_score,
     cosine_similarity,
-    decision_iou,
+    decision_f1,
     sqnr_db,
     top1_classes,
 )
@@ -63,6 +63,7 @@ from models.quantize.search import (
     format_sensitivity,
     measure_sensitivity,
     quantize_model,
+    rank_layers,
     search_mixed_precision,
     too_few_predictions,
     warn_if_too_few_predictions,
@@ -92,7 +93,7 @@ __all__ = [
     "choose_judges",
     "cosine_score",
     "cosine_similarity",
-    "decision_iou",
+    "decision_f1",
     "fidelity",
     "finite_or_none",
     "format_sensitivity",
@@ -102,6 +103,7 @@ __all__ = [
     "output_fidelity",
     "quantize_model",
     "quantized_layers",
+    "rank_layers",
     "search_mixed_precision",
     "sqnr_db",
     "too_few_predictions",

@@ -244,7 +244,7 @@ class Evaluator:
         if judge.kind == "classes" and judge.axis is not None:
             return int(np.prod([size for axis, size in enumerate(shape) if axis != judge.axis]))
         if judge.kind == "decision" and judge.dense:
-            # An IoU counts the positions above the threshold (FP32's, at least).
+            # An F1 counts the positions above the threshold (FP32's, at least).
             want = self.reference[judge.name] if judge.name else next(iter(self.reference.values()))
             return int(np.count_nonzero(want > judge.threshold))
         return int(np.prod(shape))

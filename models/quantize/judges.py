@@ -25,7 +25,7 @@ Every output gets a judge chosen by what it is (:func:`choose_judges`, the rules
 Decisions (rules 5, 6) need some FP32 values on each side of the threshold; where all are on one
 side there is no decision to keep, and the output is judged as regression. One decision per
 sample is judged by the share kept; decisions at every position (a text or segmentation mask) by
-the IoU of the positions above the threshold, since a mask that is empty almost everywhere
+the F1 score of the positions above the threshold, since a mask that is empty almost everywhere
 agrees at 99.9% of its positions even when INT8 loses every object in it. Regression is judged
 by fidelity: the cosine of each sample's values (mean over samples; steadied for mostly-zero
 maps, see :func:`~models.quantize.measures.cosine_score`), or the SQNR where a sample is one
@@ -53,7 +53,7 @@ from agent.errors import ConfigError, InternalError, QuantizationError, first_li
 from models.quantize.graph_facts import OutputFacts
 from models.quantize.measures import (
     cosine_score,
-    decision_iou,
+    decision_f1,
     split_parts,
     sqnr_db,
     top1_classes,
@@ -183,8 +183,8 @@ class OutputJudge:
         axis: The class axis (``top1`` and ``classes``); for fidelity judges with ``parts``,
             the axis the parts lie along.
         threshold: The decision threshold (``decision``).
-        dense: A decision at every position, judged by the IoU of the positions above the
-            threshold (:func:`~models.quantize.measures.decision_iou`), not their share.
+        dense: A decision at every position, judged by the F1 score of the positions above the
+            threshold (:func:`~models.quantize.measures.decision_f1`), not their share.
         parts: Sizes along ``axis`` of the heads a Concat joined into the output (boxes beside
             class scores): fidelity is measured on each and the worst counts.
         tolerance: Largest drop in points (agreement) or minimum score (fidelity); None: the
@@ -233,7 +233,7 @@ class OutputJudge:
             return float((got.argmax(axis=self.axis) == want.argmax(axis=self.axis)).mean() * 100.0)
         if self.kind == "decision":
             if self.dense:
-                return decision_iou(want, got, self.threshold)
+                return decision_f1(want, got, self.threshold)
             return float(((got > self.threshold) == (want > self.threshold)).mean() * 100.0)
         if self.kind == "exact":
             equal = got == want
@@ -246,12 +246,21 @@ class OutputJudge:
                 split_parts(want, self.axis, self.parts), split_parts(got, self.axis, self.parts)))
         return measure(want, got)
 
+    def parts_sqnr(self, reference: np.ndarray, candidate: np.ndarray) -> float:
+        """The SQNR of this output, of its worst concatenated part where it has parts (what the
+        search ranks layers by)."""
+        if not self.parts or self.axis is None:
+            return sqnr_db(reference, candidate)
+        return min(sqnr_db(want, got) for want, got in zip(
+            split_parts(reference, self.axis, self.parts),
+            split_parts(candidate, self.axis, self.parts)))
+
     def describe(self) -> str:
         what = {
             "top1": ("top-1 against the labels" + (f" (argmax over axis {self.axis})"
                                                    if self.axis is not None else "")),
             "classes": f"agreement of the class (argmax over axis {self.axis})",
-            "decision": (f"IoU of the positions where output > {self.threshold:g}" if self.dense
+            "decision": (f"F1 of the positions where output > {self.threshold:g}" if self.dense
                          else f"agreement of the decision output > {self.threshold:g}"),
             "exact": "exact agreement of every value",
             "cosine": "mean cosine per sample against FP32",
@@ -280,7 +289,7 @@ class OutputJudge:
             entry["axis"] = self.axis
         if self.kind == "decision":
             entry["threshold"] = self.threshold
-            entry["iou"] = self.dense
+            entry["f1_of_positions"] = self.dense
         if self.parts:
             entry.update({"axis": self.axis, "parts": list(self.parts)})
         return entry
@@ -526,7 +535,7 @@ def _decision_or_fidelity(name: str, array: np.ndarray, why: str,
         return OutputJudge(name, "decision", f"{why}: the decision > {threshold:g} per sample",
                            threshold=threshold)
     return OutputJudge(name, "decision", f"{why}: the decision > {threshold:g} at every "
-                       "position, by the IoU of where it holds", threshold=threshold, dense=True)
+                       "position, by the F1 score of where it holds", threshold=threshold, dense=True)
 
 
 def _fidelity(name: str, array: np.ndarray, why: str,

@@ -1,4 +1,4 @@
-"""The measures judges score outputs by: top-1 classes, the IoU of decisions, SQNR and the
+"""The measures judges score outputs by: top-1 classes, the F1 of decisions, SQNR and the
 cosine per sample (steadied for near-empty samples), each of an output against the FP32 model's.
 """
 
@@ -79,16 +79,18 @@ def _comparable(reference: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np
     return want, got
 
 
-def decision_iou(reference: np.ndarray, test: np.ndarray, threshold: float) -> float:
-    """The intersection over union, in percent, of the positions where each output is above
-    ``threshold``: 100 where neither has any. A map that is below the threshold almost
-    everywhere (text in a photo) agrees 99.9% at every position even when INT8 loses all of
-    it; the IoU of what is above does not."""
+def decision_f1(reference: np.ndarray, test: np.ndarray, threshold: float) -> float:
+    """The F1 score (Dice), in percent, of the positions where the candidate is above
+    ``threshold`` against those where FP32 is: 100 where neither has any. A map that is below
+    the threshold almost everywhere (text in a photo) keeps 99.9% of its positions' decisions
+    even when INT8 loses all of it; the F1 of what is above does not. (Its IoU, F1 / (2 - F1),
+    falls twice as fast: FP16 alone cost a text detector's masks 1.8 IoU points on their edges,
+    0.9 of F1.)"""
     want, got = reference > threshold, test > threshold
-    union = int(np.count_nonzero(want | got))
-    if union == 0:
+    total = int(np.count_nonzero(want)) + int(np.count_nonzero(got))
+    if total == 0:
         return 100.0
-    return 100.0 * int(np.count_nonzero(want & got)) / union
+    return 200.0 * int(np.count_nonzero(want & got)) / total
 
 
 def split_parts(array: np.ndarray, axis: int, sizes: tuple[int, ...]) -> list[np.ndarray]:
