@@ -102,7 +102,7 @@ def test_entropy_ranges_are_onnx_runtimes_up_to_its_rounding(tmp_path, monkeypat
     samples = _samples()
     with ranges._Samples(model, samples, 8, passes=2, progress=False) as batches:
         session = ranges._session(ranges._with_outputs(model, tensors))
-        extremes = ranges._extremes(model, tensors, batches, absolute=False)
+        extremes = ranges._extremes(model, tensors, batches, session, absolute=False)
         histograms = ranges._histograms(session, tensors, batches, extremes, absolute=False)
     found = _floats(ranges.collect_ranges(model, tensors, samples, method="entropy", batch_size=8))
     for name in tensors:
@@ -124,6 +124,36 @@ def _divergence_of_cuts(counts, edges, lowest, highest):
         value = _divergence_by_bins(counts, start, end, 128)
         divergence[pair] = min(value, divergence.get(pair, np.inf))
     return divergence
+
+
+def test_a_tensor_with_nan_is_calibrated_on_its_other_values_as_onnx_runtime_does(tmp_path,
+                                                                                monkeypatch):
+    # log(x) is NaN wherever x < 0; ONNX Runtime's ReduceMin lets such a NaN through or not
+    # depending on where it falls.
+    monkeypatch.setattr(ranges, "HISTOGRAM_BINS", 512)
+    graph = helper.make_graph(
+        [helper.make_node("Log", ["x"], ["log"], name="log"),
+         helper.make_node("Mul", ["log", "two"], ["y"], name="double")],
+        "nan", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
+        [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    model = onnx.shape_inference.infer_shapes(model)
+    samples = CalibrationSet({"x": np.random.default_rng(4).normal(size=(30, 8)).astype(np.float32)},
+                             "test")
+    tensors = ranges.calibration_tensors(model, quantized_op_types())
+    assert tensors == ["log", "y"]
+    calibrator, _ = _ort_calibrator(model, samples, "entropy", tmp_path, bins=512)
+    with ranges._Samples(model, samples, 8, passes=2, progress=False) as batches:
+        session = ranges._session(ranges._with_outputs(model, tensors))
+        extremes = ranges._extremes(model, tensors, batches, session, absolute=False)
+        histograms = ranges._histograms(session, tensors, batches, extremes, absolute=False)
+    for name in tensors:
+        counts, edges, lowest, highest, _ = calibrator.collector.histogram_dict[name]
+        assert (extremes[name][0], extremes[name][1]) == (lowest, highest)
+        np.testing.assert_array_equal(histograms[name][0], counts)
+        np.testing.assert_array_equal(histograms[name][1], edges)
 
 
 def _histogram(kind: str, rng: np.random.Generator, bins: int = 400):

@@ -1,17 +1,18 @@
 """Activation ranges for INT8 calibration: ONNX Runtime's methods, computed in a fraction of its time.
 
 ONNX Runtime's calibrators (``onnxruntime.quantization.calibrate``) keep every calibrated tensor
-of every batch in memory until the last batch, calibrate every float tensor of the graph when
-called on their own, and search the entropy threshold with Python loops over the histogram's bins
-(about 0.8 s a tensor at 2,048 bins: over 5 minutes for a text recognizer's 359 tensors). Here:
+of every batch in memory until the last batch (a text recognizer's 64 samples at 48 x 320 need
+over 13 GB), calibrate every float tensor of the graph when called on their own, and search the
+entropy threshold with Python loops over the histogram's bins (about 0.8 s a tensor at 2,048
+bins: over 5 minutes for that recognizer's 359 tensors). Here:
 
 - only the tensors ``quantize_static`` can quantize are calibrated: the inputs and outputs of
   nodes of the op types it is asked to quantize (the selection ONNX Runtime makes inside
   ``quantize_static``);
 - the samples are run a batch at a time, twice for the histogram methods: the first pass finds
-  each tensor's minimum and maximum, the second adds every batch to a histogram over that range.
-  That histogram has the bins and edges ONNX Runtime's one histogram of all samples at once has,
-  and the same counts, without holding the samples' activations;
+  each tensor's minimum and maximum (reduced inside ONNX Runtime), the second adds every batch to
+  a histogram over that range. That histogram has the bins and edges of ONNX Runtime's one
+  histogram of all samples at once, and the same counts, without holding the activations;
 - the entropy threshold search (minimum KL divergence, as ONNX Runtime does it) is vectorised
   over the candidate thresholds; percentile and min-max use ONNX Runtime's formulas.
 
@@ -95,7 +96,8 @@ def collect_ranges(
     with samples:
         tensor_session = _session(_with_outputs(model, tensors))
         samples.fit(tensor_session, list(tensors))
-        extremes = _extremes(model, tensors, samples, absolute=method == "percentile")
+        extremes = _extremes(model, tensors, samples, tensor_session,
+                             absolute=method == "percentile")
         if not histogram:
             return {name: _symmetric(low, high) for name, (low, high, _) in extremes.items()}
         histograms = _histograms(tensor_session, tensors, samples, extremes,
@@ -149,10 +151,10 @@ class _Samples(contextlib.AbstractContextManager["_Samples"]):
         per_sample = sum(array.nbytes for array in _run(session, tensors, first))
         self.step = int(max(1, min(self.step, BATCH_BYTES // max(per_sample, 1))))
 
-    def batches(self) -> Iterator[dict[str, np.ndarray]]:
+    def batches(self, *, progress: bool = True) -> Iterator[dict[str, np.ndarray]]:
         for start in range(0, self.count, self.step):
             end = min(start + self.step, self.count)
-            if self._bar is not None:
+            if self._bar is not None and progress:
                 self._bar.update(end - start)
             yield {name: array[start:end] for name, array in self.calibration.arrays.items()}
 
@@ -164,30 +166,60 @@ def _run(session: Any, names: list[str], feed: dict[str, np.ndarray]) -> list[np
         raise CalibrationError(f"calibration data does not fit the model: {exc}") from exc
 
 
-def _extremes(model: Any, tensors: Sequence[str], samples: _Samples, *,
+def _extremes(model: Any, tensors: Sequence[str], samples: _Samples, tensor_session: Any, *,
               absolute: bool) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
-    """Each tensor's (lowest, highest, lowest absolute value or None) over all samples, reduced
-    inside the model (ReduceMin/ReduceMax as outputs, as ONNX Runtime's min-max calibrator
-    does), so that this pass moves no activations out of ONNX Runtime."""
-    reduced, names = _with_reductions(model, tensors, absolute=absolute)
+    """Each tensor's (lowest, highest, lowest absolute value or None) over all samples, NaN
+    ignored as ONNX Runtime's histogram calibrators ignore it.
+
+    Reduced inside the model (ReduceMin/ReduceMax as outputs, as ONNX Runtime's min-max
+    calibrator does), so that this pass moves no activations out of ONNX Runtime. Those
+    reductions do not skip a NaN (ONNX Runtime's ReduceMin returns the minimum of the values
+    on one side of it), so each tensor's sum is taken too: a tensor whose sum is NaN is
+    reduced again in numpy, from ``tensor_session`` (which outputs the tensors)."""
+    kinds = ("min", "max", "sum", "absmin") if absolute else ("min", "max", "sum")
+    reduced, names = _with_reductions(model, tensors, kinds)
     session = _session(reduced)
-    found: dict[str, np.ndarray] = {}
+    found: list[dict[str, np.ndarray]] = [{} for _ in tensors]
+    unsure: list[int] = []
     for feed in samples.batches():
-        for name, value in zip(names, _run(session, names, feed)):
-            value = value.reshape(())
-            if name not in found:
-                found[name] = value
-            elif name.endswith("_max"):
-                found[name] = np.fmax(found[name], value)
-            else:
-                found[name] = np.fmin(found[name], value)
+        values = iter(_run(session, names, feed))
+        for index, extremes in enumerate(found):
+            for kind in kinds:
+                value = next(values).reshape(())
+                if kind != "sum":
+                    _merge(extremes, kind, value)
+                elif np.isnan(value) and index not in unsure:
+                    unsure.append(index)
+    if unsure:
+        for index in unsure:
+            found[index] = {}
+        for feed in samples.batches(progress=False):
+            arrays = _run(tensor_session, [tensors[index] for index in unsure], feed)
+            for index, array in zip(unsure, arrays):
+                if np.isnan(array).all():
+                    continue  # all NaN, or no values at all
+                _merge(found[index], "min", np.nanmin(array))
+                _merge(found[index], "max", np.nanmax(array))
+                if absolute:
+                    _merge(found[index], "absmin", np.nanmin(np.abs(array)))
     result = {}
-    for index, tensor in enumerate(tensors):
-        low, high = found[f"{index}_min"], found[f"{index}_max"]
-        if not low <= high:  # an empty tensor: ONNX Runtime's range (0, 0)
-            low = high = np.zeros((), dtype=low.dtype)
-        result[tensor] = (low, high, found[f"{index}_absmin"] if absolute else None)
+    for tensor, extremes in zip(tensors, found):
+        if "min" not in extremes or extremes["min"] > extremes["max"]:
+            zero = np.zeros((), dtype=extremes.get("min", np.float32(0)).dtype)
+            extremes = {"min": zero, "max": zero, "absmin": zero}  # ONNX Runtime's (0, 0)
+        result[tensor] = (extremes["min"], extremes["max"], extremes.get("absmin"))
     return result
+
+
+
+def _merge(extremes: dict[str, np.ndarray], kind: str, value: np.ndarray) -> None:
+    """Fold one batch's reduction into ``extremes``, NaN ignored."""
+    if kind not in extremes:
+        extremes[kind] = value
+    elif kind == "max":
+        extremes[kind] = np.fmax(extremes[kind], value)
+    else:
+        extremes[kind] = np.fmin(extremes[kind], value)
 
 
 def _histograms(session: Any, tensors: Sequence[str], samples: _Samples,
@@ -270,10 +302,10 @@ def _with_outputs(model: Any, tensors: Sequence[str]) -> Any:
     return augmented
 
 
-def _with_reductions(model: Any, tensors: Sequence[str], *, absolute: bool) -> tuple[Any, list[str]]:
-    """A copy of ``model`` that outputs, for the i-th of ``tensors``, its minimum (``i_min``),
-    maximum (``i_max``) and with ``absolute`` its smallest magnitude (``i_absmin``); and
-    those output names."""
+def _with_reductions(model: Any, tensors: Sequence[str],
+                     kinds: Sequence[str]) -> tuple[Any, list[str]]:
+    """A copy of ``model`` whose outputs are, tensor by tensor, its reductions of ``kinds``
+    (min, max, sum, absmin: the smallest magnitude); and those outputs' names."""
     onnx = require("onnx", extra="host", purpose="INT8 calibration")
     from onnx import helper
 
@@ -284,15 +316,14 @@ def _with_reductions(model: Any, tensors: Sequence[str], *, absolute: bool) -> t
              for info in (*model.graph.value_info, *model.graph.input, *model.graph.output)}
     names = []
     for index, tensor in enumerate(tensors):
-        reductions = [("ReduceMin", tensor, f"{index}_min"), ("ReduceMax", tensor, f"{index}_max")]
-        if absolute:
-            reduced.graph.node.append(helper.make_node("Abs", [tensor], [f"{index}_abs"],
-                                                       name=f"calibration_{index}_abs"))
-            reductions.append(("ReduceMin", f"{index}_abs", f"{index}_absmin"))
-        for op_type, source, output in reductions:
+        for kind in kinds:
+            source, output = tensor, f"calibration_{index}_{kind}"
+            if kind == "absmin":
+                source = f"calibration_{index}_abs"
+                reduced.graph.node.append(helper.make_node("Abs", [tensor], [source], name=source))
             # keepdims (the default) and no axes: one value, even for a tensor with no elements.
-            reduced.graph.node.append(helper.make_node(op_type, [source], [output],
-                                                       name=f"calibration_{output}"))
+            op_type = {"max": "ReduceMax", "sum": "ReduceSum"}.get(kind, "ReduceMin")
+            reduced.graph.node.append(helper.make_node(op_type, [source], [output], name=output))
             reduced.graph.output.append(helper.make_tensor_value_info(output, types[tensor], None))
             names.append(output)
     return reduced, names
