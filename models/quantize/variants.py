@@ -18,12 +18,17 @@ it out of that model:
   model a reshape, a max-pooling or a split passes its input's scale on to its output, which
   ``quantize_static`` does not do for a node it leaves in float.
 
-The result means what ``quantize_static`` with ``nodes_to_exclude`` gives, with one difference,
-on purpose: ``quantize_static`` leaves an excluded node reading a dequantized tensor when the
-tensor's other consumer still wants it quantized (it shares one pair among all consumers when
-only one of them is quantized), so an excluded residual Add could still read INT8 values. Here
-an excluded node always reads float. The quantized layers (:func:`models.quantize.qdq.quantized_layers`
-with the excluded ones kept out) are the same.
+The result means what ``quantize_static`` with ``nodes_to_exclude`` gives: every node it would
+quantize reads the same tensors dequantized, with the same scales, and the quantized layers
+(:func:`models.quantize.qdq.quantized_layers` with the excluded ones kept out) are the same. With
+one difference, on purpose: ``quantize_static`` shares one Q/DQ pair among all consumers of a
+tensor when only one of them is quantized, so an excluded node (a residual Add, a convolution
+beside a quantized one, a LayerNormalization it never quantizes) may still read the tensor's
+INT8 values. Here such a node reads float, as TensorRT runs a layer left without Q/DQ on its
+inputs. On a model with little INT8 headroom that difference shows: on a PP-OCRv4 text recognizer
+(8 dB output SQNR fully INT8), with a random fifth of its layers excluded, the two models'
+outputs were 7.4 and 9.7 dB from FP32 (top-1 agreement 99.6 and 100%), one layer's change
+moving it by up to 1.4 dB either way; on a YOLOv8n detector they were within 0.2 dB.
 """
 
 from __future__ import annotations
@@ -89,8 +94,8 @@ class QdqVariants:
             quantize = producer_node.get(node.inputs[0]) if node.op_type == DEQUANTIZE else None
             if quantize is not None and quantize.op_type == QUANTIZE:
                 self._float_source[node.outputs[0]] = quantize.inputs[0]
-        # The activation pairs (Q index -> its DQ indices, its scale) and each pair's tensor's own
-        # scale where the full model gives it another.
+        # Each activation pair's dequantizers (Q index -> DQ indices), and the tensor's own scale
+        # where the full model's pair has another (its producer passed its input's scale on).
         self._pair_dequantizers: dict[int, list[int]] = {}
         self._own_scales: dict[int, np.ndarray] = {}
         for index, node in enumerate(self._nodes):
