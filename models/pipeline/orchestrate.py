@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import __version__
+from agent.deps import require
 from agent.errors import KeyFileError
 from agent.fsutil import atomic_write_text, fsync_dir, staging_dir
 from models.bundle import pack_bundle
@@ -36,6 +37,11 @@ from models.quantize import (Evaluator, QuantizeConfig, QuantizeResult, finite_o
 def build(options: BuildOptions) -> BuildResult:
     """Run the whole pipeline; see the module docstring."""
     _check_before_work(options)
+    # The C extensions are imported before any work: Ctrl-C or SIGTERM raises from the signal
+    # handler, and an exception raised while onnx's nanobind module initialises aborts the
+    # process (no clean-up) instead of unwinding it.
+    require("onnx", extra="host", purpose="building bundles")
+    require("onnxruntime", extra="device", purpose="building bundles")
     created = _prepare_out_dir(options.out_dir)
     try:
         return _build(options)
