@@ -65,7 +65,6 @@ def _with_local_copies(onnx: Any, float_model: Any, int8_model: Any,
     graph = combined.graph
     known = {value.name for value in graph.input} | {init.name for init in graph.initializer}
     known |= {output for node in graph.node for output in node.output}
-    present = {init.name for init in graph.initializer}
     int8_initializers = {init.name: init for init in int8_model.graph.initializer}
     producers = {output: node for node in int8_model.graph.node for output in node.output}
     float_nodes = {node.name: node for node in float_model.graph.node}
@@ -78,7 +77,6 @@ def _with_local_copies(onnx: Any, float_model: Any, int8_model: Any,
         if tensor in int8_initializers:
             graph.initializer.append(int8_initializers[tensor])
             known.add(tensor)
-            present.add(tensor)
             return True
         return False
 
