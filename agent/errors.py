@@ -109,6 +109,27 @@ class StoreError(AgentError):
     """The on-device model store is inconsistent or cannot be written."""
 
 
+class UpdateError(AgentError):
+    """A model update cannot go on: a download, a verification, a step of the swap failed.
+
+    ``reason`` is a short stable code (``not_found``, ``hash_mismatch``, ``deadline``...) that the
+    journal, the metrics (failures by reason) and the fleet side read; the message says it in words.
+    """
+
+    def __init__(self, message: str, *, reason: str, **fields: Any) -> None:
+        super().__init__(message, reason=reason, **fields)
+        self.reason = reason
+
+
+class DownloadError(UpdateError):
+    """A bundle could not be fetched from its source."""
+
+
+class ControlError(AgentError):
+    """The local control channel to the running daemon cannot be used (no daemon, no permission,
+    a malformed request)."""
+
+
 class PowerError(AgentError):
     """Board power or clock control failed."""
 
