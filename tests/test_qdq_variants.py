@@ -220,3 +220,21 @@ def test_a_weight_quantized_per_channel_on_the_wrong_axis_is_caught(quantizer):
     axis.i = 0
     with pytest.raises(InternalError, match="MatMul weight wm quantized per channel on axis 0"):
         check_qdq_graph(model)
+
+
+def test_unnamed_and_duplicate_named_nodes_get_names_of_their_own(tmp_path):
+    """Exporters leave nodes unnamed (an orientation classifier from PyPI has 56): every layer
+    still gets a unique name, so the plan can keep any one out of INT8."""
+    model = onnx.load_from_string(_branchy_model())
+    model.graph.node[0].name = ""  # c1
+    model.graph.node[2].name = ""  # c2
+    model.graph.node[3].name = "c4"  # c3 takes the name of a later layer
+    quantizer = QdqQuantizer(model.SerializeToString(), from_array(SAMPLES, "x", 48),
+                             QuantizeConfig(method="minmax", progress=False), tmp_path)
+    names = [node.name for node in quantizer.float_model.graph.node]
+    assert all(names) and len(set(names)) == len(names)
+    layers = [name for name, _ in quantizer.candidates]
+    assert len(layers) == 9 and "c4" in layers and "" not in layers
+    inputs = _dequantized_inputs(quantizer.quantize(exclude=[layers[0]]))
+    assert inputs[layers[0]] == []
+    assert all(inputs[name] for name in layers[1:3])

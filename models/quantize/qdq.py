@@ -113,11 +113,20 @@ class QdqQuantizer:
         self.float_path = self.workdir / "float.onnx"
         self.cache_path = self.workdir / "calibration.json"
         raw_path = self.workdir / "float.raw.onnx"
+        # Named before pre-processing too: ONNX Runtime's optimiser refuses duplicate names.
+        raw_model = onnx.load_from_string(float_model)
+        renamed = _name_nodes(raw_model)
+        if renamed:
+            log.info("%d unnamed or duplicate-named nodes were given names of their own: the "
+                     "precision plan names every layer", renamed)
+            float_model = raw_model.SerializeToString()
+        del raw_model
         atomic_write_bytes(raw_path, float_model)
         self._pre_process(raw_path)
         self.op_types = quantized_op_types()
         float_model = onnx.load(str(self.float_path))
-        if _unshare_weights(float_model, self.op_types):
+        renamed = _name_nodes(float_model)  # nodes the optimiser made
+        if _unshare_weights(float_model, self.op_types) or renamed:
             onnx.save(float_model, str(self.float_path))
         # Shape-inferred, as quantize_static loads it: calibration needs every tensor's type.
         self.float_model = onnx.shape_inference.infer_shapes(float_model)
@@ -126,9 +135,6 @@ class QdqQuantizer:
             for node in self.float_model.graph.node
             if node.op_type in CANDIDATE_OP_TYPES
         ]
-        names = [node.name for node in self.float_model.graph.node]
-        if len(set(names)) != len(names) or any(not name for name in names):
-            raise QuantizationError("every node of the model needs a unique, non-empty name")
         self._neighbours = _candidate_neighbours(self.float_model, {name for name, _ in self.candidates})
         self.calibration_seconds = 0.0
         # Seconds spent per phase, for the build's report: calibration_s, quantize_static_s (the
@@ -268,6 +274,31 @@ class QdqQuantizer:
         model_bytes = output_path.read_bytes()
         check_qdq_format(model_bytes)
         return model_bytes
+
+
+def _name_nodes(model: Any) -> int:
+    """Give each node without a name, or with a name an earlier node took, a unique one made
+    of its op_type and position (``Conv_12``); returns how many were named.
+
+    The precision plan, the exclusion lists and the per-layer table all name layers, and many
+    exporters (and ONNX Runtime's pre-processing) leave nodes unnamed.
+    """
+    nodes = model.graph.node
+    taken = {node.name for node in nodes if node.name}
+    seen: set[str] = set()
+    renamed = 0
+    for index, node in enumerate(nodes):
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        name = f"{node.op_type}_{index}"
+        while name in taken:
+            name += "_"
+        node.name = name
+        taken.add(name)
+        seen.add(name)
+        renamed += 1
+    return renamed
 
 
 def _unshare_weights(model: Any, op_types: Collection[str]) -> int:
