@@ -11,6 +11,7 @@ onnx = pytest.importorskip("onnx")
 # whose quantization tools lack what the build uses.
 pytest.importorskip("torch", reason="INT8 quantization runs on the host (the host extra)")
 pytest.importorskip("onnxruntime")
+import onnxruntime as ort  # noqa: E402
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
@@ -238,3 +239,56 @@ def test_unnamed_and_duplicate_named_nodes_get_names_of_their_own(tmp_path):
     inputs = _dequantized_inputs(quantizer.quantize(exclude=[layers[0]]))
     assert inputs[layers[0]] == []
     assert all(inputs[name] for name in layers[1:3])
+
+
+def _detector_head_model() -> bytes:
+    """A YOLOv8-like tail: a convolution's boxes scaled to pixels (x 300) concatenated with a
+    sigmoid's class scores, which are almost all near 0 and now and then near 1."""
+    rng = np.random.default_rng(2)
+    initializers = [
+        numpy_helper.from_array(rng.normal(scale=0.3, size=(4, 3, 1, 1)).astype(np.float32), "wb"),
+        numpy_helper.from_array(np.abs(rng.normal(scale=0.3, size=(2, 3, 1, 1))).astype(np.float32) + 0.2,
+                                "ws"),
+        numpy_helper.from_array(np.array([-6.0, -6.0], np.float32).reshape(1, 2, 1, 1), "bias"),
+        numpy_helper.from_array(np.array(300.0, np.float32), "pixels"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "wb"], ["b"], name="box_conv"),
+        helper.make_node("Mul", ["b", "pixels"], ["boxes"], name="to_pixels"),
+        helper.make_node("Conv", ["x", "ws"], ["s0"], name="score_conv"),
+        helper.make_node("Add", ["s0", "bias"], ["s1"], name="score_bias"),
+        helper.make_node("Sigmoid", ["s1"], ["scores"], name="sigmoid"),
+        helper.make_node("Concat", ["boxes", "scores"], ["out"], name="head", axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n", 6, 8, 8])], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def test_a_detectors_scores_survive_int8_beside_boxes_in_pixels(tmp_path):
+    """Concatenated with boxes in pixels, the scores would share the boxes' scale (about 5 a
+    step) and round to 0: the Concat stays float."""
+    from models.quantize.qdq import mismatched_concats  # noqa: PLC0415
+
+    rng = np.random.default_rng(3)
+    samples = rng.normal(size=(64, 3, 8, 8)).astype(np.float32)
+    samples[::8, :, 2, 2] += 12.0  # one position in every eighth sample scores high
+    model = _detector_head_model()
+    quantizer = QdqQuantizer(model, from_array(samples[:48], "x", 48),
+                             QuantizeConfig(method="entropy", progress=False), tmp_path)
+    quantized = quantizer.quantize()
+    assert mismatched_concats(quantizer.float_model, quantizer._activation_scales()) == ["head"]
+    assert _dequantized_inputs(quantized)["head"] == []
+    assert _dequantized_inputs(quantized)["box_conv"]  # the rest is still INT8
+
+    def run(model_bytes):
+        session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+        return session.run(None, {"x": samples[48:]})[0]
+
+    want, got = run(model), run(quantized)
+    high = want[:, 4:] > 0.5
+    assert high.any()
+    assert np.abs(got[:, 4:][high] - want[:, 4:][high]).max() < 0.05

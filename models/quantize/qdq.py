@@ -32,7 +32,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,6 +142,8 @@ class QdqQuantizer:
         self.seconds = {"calibration_s": 0.0, "quantize_static_s": 0.0, "variants_s": 0.0}
         self.variant_count = 0
         self._variants: QdqVariants | None = None
+        # Concats that always stay float (found from the calibrated scales; mismatched_concats).
+        self._float_concats: list[str] = []
 
     def _pre_process(self, raw_path: Path) -> None:
         """Shape inference and basic graph optimisation, as ONNX Runtime recommends before QDQ,
@@ -168,7 +170,7 @@ class QdqQuantizer:
         """``excluded`` plus every other node (Relu, pooling, ...) whose neighbouring layers are all
         excluded: quantizing such a node alone adds rounding error and saves nothing, and with every
         layer excluded the result is the float model."""
-        kept_out = set(excluded)
+        kept_out = set(excluded) | set(self._float_concats)
         satellites = [
             node
             for node, layers in self._neighbours.items()
@@ -224,9 +226,16 @@ class QdqQuantizer:
             if not self.cache_path.exists():
                 self.calibrate()
             started = time.perf_counter()
+            scales = self._activation_scales()
             self._variants = QdqVariants(self.quantize_with_ort(), self.float_model,
-                                         self.op_types, self._activation_scales())
+                                         self.op_types, scales)
             self.seconds["quantize_static_s"] = time.perf_counter() - started
+            self._float_concats = mismatched_concats(self.float_model, scales)
+            if self._float_concats:
+                log.info("kept in float: %d Concat(s) joining tensors whose INT8 scales differ "
+                         "over %gx (they would share one scale, and the smaller part round to "
+                         "0): %s", len(self._float_concats), CONCAT_SCALE_RATIO,
+                         ", ".join(self._float_concats))
         return self._variants
 
     def _activation_scales(self) -> dict[str, np.ndarray]:
@@ -274,6 +283,27 @@ class QdqQuantizer:
         model_bytes = output_path.read_bytes()
         check_qdq_format(model_bytes)
         return model_bytes
+
+
+# A Concat whose inputs' scales differ by more than this stays float: in INT8 its inputs and
+# output share one scale, so the smaller input keeps under 127 / ratio levels (8 at 16x).
+CONCAT_SCALE_RATIO = 16.0
+
+
+def mismatched_concats(model: Any, scales: Mapping[str, np.ndarray]) -> list[str]:
+    """The Concat nodes of ``model`` whose calibrated inputs' scales (``scales``, per-tensor)
+    differ by more than :data:`CONCAT_SCALE_RATIO`: a detector's output joining boxes in pixels
+    (scale 2.5) with scores in [0, 1] (scale 0.008) lost every score in INT8."""
+    found = []
+    for node in model.graph.node:
+        if node.op_type != "Concat":
+            continue
+        values = [float(np.max(scales[name])) for name in node.input
+                  if name in scales and np.ndim(scales[name]) == 0]
+        values = [value for value in values if value > 0]
+        if len(values) >= 2 and max(values) > CONCAT_SCALE_RATIO * min(values):
+            found.append(node.name)
+    return found
 
 
 def _name_nodes(model: Any) -> int:
