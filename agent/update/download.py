@@ -323,8 +323,15 @@ class _Body:
 
 
 def _write_part(handle: BinaryIO, data: bytes) -> None:
-    """Append ``data`` to the part (the seam where tests make the disk fill up)."""
-    handle.write(data)
+    """Append ``data`` to the part (the seam where tests make the disk fill up).
+
+    The part is unbuffered: what was hashed is in the kernel's hands, so a process killed right
+    after leaves it on disk for the next one.
+    """
+    view = memoryview(data)
+    while view:
+        written = handle.write(view)
+        view = view[written or 0:]
 
 
 class _Transfer:
@@ -349,6 +356,9 @@ class _Transfer:
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self._connection: http.client.HTTPConnection | None = None
+        # The attempt's socket, kept apart: the connection forgets it once a response that ends
+        # with the connection has taken it over.
+        self._socket: socket.socket | None = None
         self._offset = 0
         self._digest = hashlib.sha256()
         self._validator: str | None = None
@@ -365,8 +375,7 @@ class _Transfer:
         """Stop the transfer from another thread: a blocked read ends at once."""
         self._cancelled.set()
         with self._lock:
-            connection = self._connection
-        sock = getattr(connection, "sock", None)
+            sock = self._socket
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -515,6 +524,8 @@ class _Transfer:
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         try:
             connection.connect()
+            with self._lock:
+                self._socket = connection.sock
             self._check_cancelled()
             if connection.sock is not None:
                 connection.sock.settimeout(stall_s)
@@ -530,6 +541,7 @@ class _Transfer:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
+        self._socket = None
 
     def _answer(self, response: http.client.HTTPResponse, offset: int) -> _Body:
         """Turn a response into a body to append, or raise what it means."""
@@ -617,14 +629,14 @@ class _Transfer:
     # -- the part file -------------------------------------------------------------------------
 
     def _load_partial(self) -> None:
-        """Take up a part an earlier call left, when its sidecar shows it belongs to this source
-        (and expected hash); anything else there is removed."""
+        """Take up a part an earlier call left, when its sidecar shows it belongs to this source;
+        anything else there is removed. (Whether the source still has the same file is the
+        server's answer to If-Range.)"""
         try:
             with open(self._sidecar, "rb") as handle:
                 record = json.loads(handle.read(SIDECAR_MAX_BYTES))
             matches = (isinstance(record, dict) and record.get("format") == SIDECAR_FORMAT
                        and record.get("source_sha256") == _sha256_text(self._source.url)
-                       and record.get("expected_sha256") == self._expected_sha256
                        and isinstance(record.get("validator"), str))
             total = record.get("total_bytes") if matches else None
             if not matches or not (total is None or isinstance(total, int)):
@@ -657,7 +669,7 @@ class _Transfer:
         self._validator, self._total = validator, total
         record = {"format": SIDECAR_FORMAT, "source": self._source.display,
                   "source_sha256": _sha256_text(self._source.url), "validator": validator,
-                  "total_bytes": total, "expected_sha256": self._expected_sha256}
+                  "total_bytes": total}
         if validator is not None:  # without one, a part can never be resumed: no sidecar
             self._guarded_write(lambda: atomic_write_text(self._sidecar, json.dumps(record),
                                                           mode=0o600))
@@ -679,7 +691,8 @@ class _Transfer:
         def open_part() -> BinaryIO:
             self._part.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self._part, os.O_WRONLY | os.O_CREAT, 0o600)
-            handle = os.fdopen(fd, "wb")  # fdopen does not truncate: the part's bytes stay
+            # fdopen does not truncate: the part's bytes stay
+            handle = os.fdopen(fd, "wb", buffering=0)
             handle.truncate(self._offset)
             handle.seek(self._offset)
             return handle
