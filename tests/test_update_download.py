@@ -91,8 +91,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         served: Served = self.server.served  # type: ignore[attr-defined]
         with served.lock:
-            served.requests.append({"path": self.path,
-                                    **{name.lower(): value for name, value in self.headers.items()}})
+            headers = {name.lower(): value for name, value in self.headers.items()}
+            served.requests.append({"path": self.path, **headers})
             fault = served.plan.pop(0) if served.plan else (served.always or Fault())
             if fault.change_to is not None:
                 served.content, served.version = fault.change_to, served.version + 1
@@ -328,16 +328,14 @@ def test_a_body_growing_past_the_cap_is_stopped(served: Served, tmp_path: Path) 
     (10_000_000, len(CONTENT) + 1, "size_mismatch"),
 ])
 def test_an_announced_size_is_checked_before_reading(served: Served, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
                                                      max_bytes: int, expected_size: int | None,
                                                      reason: str) -> None:
     written: list[int] = []
-    original = download_module._write_part
+    monkeypatch.setattr(download_module, "_write_part",
+                        lambda handle, data: written.append(len(data)))
     policy = DownloadPolicy(deadline_s=3.0, max_bytes=max_bytes)
-    try:
-        download_module._write_part = lambda handle, data: written.append(len(data))  # type: ignore[assignment]
-        error = fails(served.url, tmp_path / "b", policy=policy, expected_size=expected_size)
-    finally:
-        download_module._write_part = original
+    error = fails(served.url, tmp_path / "b", policy=policy, expected_size=expected_size)
     assert error.reason == reason
     assert written == [] and len(served.requests) == 1
     assert no_partials(tmp_path / "b")

@@ -268,8 +268,9 @@ class _Source:
 
 def _parse_source(source: str) -> _Source:
     def bad(why: str) -> DownloadError:
+        shown = display_source(source) if isinstance(source, str) else repr(source)
         return DownloadError(f"cannot download from this source: {why}", reason="bad_source",
-                             url=display_source(source) if isinstance(source, str) else repr(source))
+                             url=shown)
 
     if not isinstance(source, str) or not source.strip():
         raise bad("it is empty")
@@ -495,14 +496,17 @@ class _Transfer:
             if status in REDIRECT_STATUSES and response.getheader("Location"):
                 response.close()
                 url = urljoin(url, response.getheader("Location", ""))
-                if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
-                    raise self._http_error(f"redirected to a non-HTTP location ({display_source(url)})",
-                                           status)
+                target = urlsplit(url)
+                if target.scheme not in ("http", "https") or not target.hostname:
+                    raise self._http_error(
+                        f"redirected to a location that is not an HTTP URL ({display_source(url)})",
+                        status)
                 continue
             return self._answer(response, offset)
         raise self._http_error(f"more than {MAX_REDIRECTS} redirects", 0)
 
-    def _request(self, parts: SplitResult, offset: int, *, same_origin: bool) -> http.client.HTTPResponse:
+    def _request(self, parts: SplitResult, offset: int, *,
+                 same_origin: bool) -> http.client.HTTPResponse:
         connect_s, stall_s = self._timeouts()
         host = parts.hostname or ""
         connection: http.client.HTTPConnection
