@@ -60,6 +60,7 @@ class Fault:
     bad_range: bool = False
     no_length: bool = False
     change_to: bytes | None = None
+    trickle_s: float = 0.0  # a pause after every 20 kB of the body
 
 
 class Served:
@@ -133,8 +134,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(content) - start))
         self.end_headers()
         end = len(content) if fault.cut is None else max(start, fault.cut)
-        self.wfile.write(content[start:end])
-        self.wfile.flush()
+        step = 20_000 if fault.trickle_s else end - start
+        for offset in range(start, end, max(step, 1)):
+            self.wfile.write(content[offset:min(offset + step, end)])
+            self.wfile.flush()
+            if fault.trickle_s and served.release.wait(fault.trickle_s):
+                return
         if fault.stall:
             served.release.wait(5.0)
 
@@ -312,6 +317,16 @@ def test_a_truncated_body_keeps_the_part_for_a_later_call(served: Served, tmp_pa
     result = fetch(served.url, tmp_path / "b", expected_sha256=sha256(CONTENT))
     assert result.resumed_from_bytes == CUT
     assert (tmp_path / "b").read_bytes() == CONTENT
+
+
+def test_a_transfer_too_slow_for_the_deadline_ends_keeping_the_part(served: Served,
+                                                                  tmp_path: Path) -> None:
+    served.always = Fault(trickle_s=0.05)
+    policy = DownloadPolicy(deadline_s=0.4, stall_timeout_s=0.3)
+    error = fails(served.url, tmp_path / "b", policy=policy)
+    assert error.reason == "deadline" and error.fields["attempts"] == 1
+    kept = partial_files(tmp_path / "b")[0].stat().st_size
+    assert 0 < kept < len(CONTENT) and error.fields["received_bytes"] == kept
 
 
 def test_a_body_growing_past_the_cap_is_stopped(served: Served, tmp_path: Path) -> None:
