@@ -61,6 +61,8 @@ Handler = Callable[[dict[str, Any], Emit], Awaitable[Any]]
 SOCKET_UMASK = 0o177
 # How long the check of an existing socket file waits for an answer.
 PROBE_TIMEOUT_S = 1.0
+# A Unix socket's path has at most this many bytes on Linux (sun_path, less its NUL).
+MAX_SOCKET_PATH_BYTES = 107
 
 
 class ControlServer:
@@ -207,6 +209,10 @@ class ControlServer:
             path.unlink()
 
     def _bind(self) -> socket.socket:
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH_BYTES:
+            raise ControlError(f"the control socket's path is longer than a Unix socket's "
+                               f"{MAX_SOCKET_PATH_BYTES} bytes: use a shorter state directory",
+                               path=self.socket_path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             previous = os.umask(SOCKET_UMASK)
