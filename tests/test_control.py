@@ -733,3 +733,36 @@ def test_a_path_too_long_for_a_unix_socket_is_named(tmp_path: Path) -> None:
     server = ControlServer(deep / protocol.SOCKET_NAME)
     with pytest.raises(ControlError, match="use a shorter state directory"):
         asyncio.run(server.start())
+
+
+def test_a_client_beyond_the_limit_is_told_to_try_again(start_server: Any) -> None:
+    release = asyncio.Event()
+    started = threading.Event()
+
+    async def hold(args: dict[str, Any], emit: Emit) -> str:
+        started.set()
+        await release.wait()
+        return "released"
+
+    server = start_server({"hold": hold, "echo": echo}, max_clients=1)
+    results: list[Any] = []
+    holder = threading.Thread(target=lambda: results.append(
+        ControlClient(server.path).call("hold")))
+    holder.start()
+    assert started.wait(5)
+    with pytest.raises(CommandError) as caught:
+        ControlClient(server.path).call("echo")
+    assert caught.value.reason == "too_many_clients"
+    server.loop.call_soon_threadsafe(release.set)
+    holder.join(5)
+    assert results == ["released"]
+    # The slot frees once the server has seen the first client close its connection.
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            assert ControlClient(server.path).call("echo", {"after": 1}) == {"after": 1}
+            break
+        except CommandError as exc:
+            if exc.reason != "too_many_clients" or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)

@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from agent.control import protocol
 from agent.control.client import CommandError, ControlClient, OnEvent
 from agent.control.protocol import ProgressEvent, StateEvent, UpdateStatus
-from agent.errors import ConfigError, InputError, printable
+from agent.errors import ConfigError, ControlError, InputError, printable
 
 MIB = 1024 * 1024
 # How often, at most, a terminal's in-place progress line is redrawn.
@@ -260,7 +260,7 @@ class ProgressPrinter:
     def __call__(self, raw: dict[str, Any]) -> None:
         try:
             event = protocol.parse_event(raw)
-        except Exception:  # noqa: BLE001 - a garbled event must not end the command
+        except ControlError:  # a garbled event must not end the command
             return
         if isinstance(event, StateEvent):
             self.finish()

@@ -105,26 +105,30 @@ class ControlClient:
         path = self.socket_path
         try:
             sock.connect(str(path))
-        except BaseException as exc:
+        except OSError as exc:
             sock.close()
-            if isinstance(exc, FileNotFoundError):
-                raise ControlError("no daemon listens here: is 'edge-agent serve' running, and "
-                                   "with this state directory (--state-dir, --config)?",
-                                   path=path) from None
-            if isinstance(exc, ConnectionRefusedError):
-                raise ControlError("no daemon listens here (a daemon that stopped left the "
-                                   "socket): is 'edge-agent serve' running?", path=path) from None
-            if isinstance(exc, PermissionError):
-                raise ControlError("permission denied on the daemon's control socket: run as "
-                                   "the daemon's user or root", path=path) from None
-            if isinstance(exc, TimeoutError):
-                raise ControlError(f"the daemon did not accept a connection within "
-                                   f"{self.connect_timeout_s:g} s", path=path) from None
-            if isinstance(exc, OSError):
-                raise ControlError("cannot connect to the daemon", path=path,
-                                   reason=exc.strerror or str(exc)) from None
+            raise self._connect_error(exc) from None
+        except BaseException:
+            sock.close()
             raise
         return sock
+
+    def _connect_error(self, exc: OSError) -> ControlError:
+        path = self.socket_path
+        if isinstance(exc, FileNotFoundError):
+            return ControlError("no daemon listens here: is 'edge-agent serve' running, and with "
+                                "this state directory (--state-dir, --config)?", path=path)
+        if isinstance(exc, ConnectionRefusedError):
+            return ControlError("no daemon listens here (a daemon that stopped left the "
+                                "socket): is 'edge-agent serve' running?", path=path)
+        if isinstance(exc, PermissionError):
+            return ControlError("permission denied on the daemon's control socket: run as the "
+                                "daemon's user or root", path=path)
+        if isinstance(exc, TimeoutError):
+            return ControlError(f"the daemon did not accept a connection within "
+                                f"{self.connect_timeout_s:g} s", path=path)
+        return ControlError("cannot connect to the daemon", path=path,
+                            reason=exc.strerror or str(exc))
 
     def _settimeout(self, sock: socket.socket, deadline: float | None, command: str,
                     timeout_s: float | None) -> None:

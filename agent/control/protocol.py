@@ -55,6 +55,7 @@ from agent.errors import ControlError
 
 __all__ = [
     "COMMANDS",
+    "COMMITTED",
     "DAEMON_STATUS",
     "MAX_LINE_BYTES",
     "SOCKET_NAME",
@@ -62,6 +63,7 @@ __all__ = [
     "UPDATE_ROLLBACK",
     "UPDATE_STATES",
     "UPDATE_STATUS",
+    "URL_SCHEMES",
     "ApplyArgs",
     "ModelVersion",
     "ProgressEvent",

@@ -255,22 +255,20 @@ class ControlServer:
         if task is not None:  # always, as asyncio runs this callback in a task
             self._connections.add(task)
         try:
-            if busy:
-                await self._write(writer, _error_reply(
-                    None, f"the daemon serves {self.max_clients} control clients already; "
-                    "try again", protocol.REASON_BUSY))
-                return
             refusal = self._refusal(writer)
             if refusal is not None:
                 await self._write(writer, _error_reply(None, refusal,
                                                        protocol.REASON_PERMISSION_DENIED))
                 return
+            if busy:
+                await self._write(writer, _error_reply(
+                    None, f"the daemon serves {self.max_clients} control clients already; "
+                    "try again", protocol.REASON_BUSY))
+                return
             while not self._stopping:
                 line = await self._read_request(reader, writer)
                 if line is None or not await self._answer(line, writer):
                     return
-        except asyncio.CancelledError:
-            raise
         except Exception:  # noqa: BLE001 - one connection's failure must not reach the daemon
             log.exception("control connection failed")
         finally:
@@ -322,7 +320,9 @@ class ControlServer:
             return await self._write(writer, _error_reply(exc.request_id, exc.message,
                                                           exc.reason))
         handler = self._handlers[command]
-        emitter = _Emitter(self, writer, request_id, command)
+        emitter = _Emitter(writer, request_id, command, loop=self._loop,
+                           loop_thread=self._loop_thread,
+                           max_buffered_bytes=self.max_buffered_bytes)
         try:
             result = await handler(args, emitter)
             data = protocol.encode_line({"id": request_id, "ok": True, "result": result})
@@ -365,7 +365,7 @@ class ControlServer:
         if not isinstance(command, str):
             raise _BadRequest("a request's 'command' must be a string", bad, request_id)
         if command not in self._handlers:
-            raise _BadRequest(f"unknown command {printable(command, 100)!r}; this daemon knows "
+            raise _BadRequest(f"unknown command '{printable(command, 100)}'; this daemon knows "
                               + ", ".join(self.commands), protocol.REASON_UNKNOWN_COMMAND,
                               request_id)
         args = message.get("args", {})
@@ -393,27 +393,27 @@ class ControlServer:
             return False
         return True
 
-    def _on_loop(self) -> bool:
-        return threading.get_ident() == self._loop_thread
-
 
 class _Emitter:
     """A handler's ``emit``: sends one event line to its client, from the loop or any thread.
     Events for a client that has gone, or after the final reply, are dropped."""
 
-    def __init__(self, server: ControlServer, writer: asyncio.StreamWriter, request_id: str,
-                 command: str) -> None:
-        self._server = server
+    def __init__(self, writer: asyncio.StreamWriter, request_id: str, command: str, *,
+                 loop: asyncio.AbstractEventLoop | None, loop_thread: int | None,
+                 max_buffered_bytes: int) -> None:
         self._writer = writer
         self._request_id = request_id
         self._command = command
+        self._loop = loop
+        self._loop_thread = loop_thread
+        self._max_buffered_bytes = max_buffered_bytes
         self.done = False
 
     def __call__(self, event: dict[str, Any]) -> None:
-        if self._server._on_loop():
+        if threading.get_ident() == self._loop_thread:
             self._send(event)
-        elif self._server._loop is not None and not self._server._loop.is_closed():
-            self._server._loop.call_soon_threadsafe(self._send, event)
+        elif self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._send, event)
 
     def _send(self, event: dict[str, Any]) -> None:
         writer = self._writer
@@ -429,7 +429,7 @@ class _Emitter:
             log.error("control command %s emitted an event of %d bytes: dropped",
                       self._command, len(data))
             return
-        if writer.transport.get_write_buffer_size() + len(data) > self._server.max_buffered_bytes:
+        if writer.transport.get_write_buffer_size() + len(data) > self._max_buffered_bytes:
             # The client does not read: disconnect it rather than buffer without bound. The
             # command itself goes on.
             log.warning("control client of %s does not read its events; disconnecting",
