@@ -116,8 +116,9 @@ class ControlClient:
     def _connect_error(self, exc: OSError) -> ControlError:
         path = self.socket_path
         if isinstance(exc, FileNotFoundError):
-            return ControlError("no daemon listens here: is 'edge-agent serve' running, and with "
-                                "this state directory (--state-dir, --config)?", path=path)
+            return ControlError("no daemon listens here: is 'edge-agent serve' running with this "
+                                "state directory (--state-dir, --config), and serving yet (the "
+                                "channel opens once the model serves)?", path=path)
         if isinstance(exc, ConnectionRefusedError):
             return ControlError("no daemon listens here (a daemon that stopped left the "
                                 "socket): is 'edge-agent serve' running?", path=path)
