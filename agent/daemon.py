@@ -11,7 +11,10 @@ point (``serve``, the demo), with the signal handling.
 The updater, the MQTT control plane, the power governor and the watchdog attach here: each is a
 background task (:meth:`Daemon.add_task`), they reach the store (``daemon.store``) and what the
 serving path reports (``daemon.services[name].observers.subscribe``), and the blue-green swap
-builds on ``Batcher.replace_backends``.
+builds on ``Batcher.replace_backends``. Commands on the board reach them through the local
+control channel (``daemon.control``, agent/control/): parts register their commands there before
+the start (``daemon.control.register("update.status", handler)``); it listens while the daemon
+serves, and answers ``daemon.status`` itself.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from agent import runtime
 from agent.api.server import InferenceServer
 from agent.backends import ModelArtifacts
 from agent.config import AgentConfig
+from agent.control import protocol
+from agent.control.server import ControlServer, Emit
 from agent.errors import AgentError, InternalError, StopRequested, StoreError
 from agent.metrics import ServingMetrics, TaskMetrics
 from agent.serving import ModelService
@@ -81,6 +86,8 @@ class Daemon:
         self.task_metrics = TaskMetrics()
         self.supervisor = Supervisor(on_change=self._task_changed,
                                      stop_timeout_s=task_stop_timeout_s)
+        self.control = ControlServer(config.state_dir / protocol.SOCKET_NAME)
+        self.control.register(protocol.DAEMON_STATUS, self._status_command)
         self.failure: AgentError | None = None  # why the daemon stopped itself
         self._listeners: list[StateListener] = []
         self._stop_requested = threading.Event()  # read by the start's worker thread
@@ -191,8 +198,10 @@ class Daemon:
                 raise StopRequested("stopped before serving", model=artifacts.name)
             if candidate is not None:  # its model loaded: it is the one to serve from now on
                 self.make_current(artifacts)
+            await self.control.start()
             return await self.server.start()
         except BaseException:
+            await self.control.stop()
             await service.stop(drain=False)
             self._free()
             raise
@@ -278,6 +287,8 @@ class Daemon:
             return
         self._set_state(DaemonState.STOPPING)
         try:
+            # Commands first: none starts while the parts they drive are stopping.
+            await self.control.stop()
             await self.supervisor.stop()
             if self.server is not None:
                 log.info("stopping: draining in-flight requests")
@@ -296,6 +307,9 @@ class Daemon:
             "tasks": [task.to_json() for task in self.supervisor.status()],
             "failure": str(self.failure) if self.failure else None,
         }
+
+    async def _status_command(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.status()
 
     def _free(self) -> None:
         for service in self.services.values():

@@ -29,6 +29,7 @@ SUBCOMMAND_MODULES = (
     "agent.cli.build",
     "agent.cli.bundle",
     "agent.cli.serve",
+    "agent.cli.update",
     "agent.cli.demo",
     "agent.cli.bench",
 )
