@@ -217,3 +217,30 @@ def test_the_divergence_of_every_cut_is_the_exact_one():
         found = ranges._divergences(counts, starts, ends, 128)
         expected = [_divergence_by_bins(counts, s, e, 128) for s, e in zip(starts, ends)]
         np.testing.assert_allclose(found, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_a_sigmoids_probabilities_keep_their_largest_values():
+    """A probability map near 0 almost everywhere (a text detector's): the entropy threshold
+    cuts its rare large values, the decisions, unless calibrated by the values seen."""
+    method = "entropy"
+    nodes = [helper.make_node("Conv", ["x", "w"], ["logits"], name="conv"),
+             helper.make_node("Sigmoid", ["logits"], ["p"], name="sigmoid"),
+             helper.make_node("Mul", ["p", "p"], ["y"], name="square")]
+    graph = helper.make_graph(
+        nodes, "probabilities",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1, 16, 16])],
+        [numpy_helper.from_array(np.ones((1, 1, 1, 1), np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    model = onnx.shape_inference.infer_shapes(model)
+    images = np.full((32, 1, 16, 16), -8.0, np.float32)
+    images[:, :, 3, 3] = 8.0  # one position in 256 is text
+    calibration = CalibrationSet({"x": images}, "test")
+    assert ranges.bounded_outputs(model) == ["p"]
+    tensors = ranges.calibration_tensors(model, quantized_op_types())
+    cut = ranges.collect_ranges(model, tensors, calibration, method=method)
+    seen = ranges.collect_ranges(model, tensors, calibration, method=method, observed=["p"])
+    assert float(cut["p"][1]) < 0.5  # what the cut would have kept: no decision survives
+    assert float(seen["p"][1]) == pytest.approx(1.0, abs=1e-3)
+    assert float(seen["logits"][1]) == pytest.approx(float(cut["logits"][1]))  # others as before

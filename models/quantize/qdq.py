@@ -44,7 +44,12 @@ from agent.errors import CalibrationError, InternalError, QuantizationError
 from agent.fsutil import atomic_write_bytes
 from models.calibration import CalibrationSet
 from models.onnx_model import graph_links
-from models.quantize.ranges import calibration_tensors, collect_ranges, save_ranges
+from models.quantize.ranges import (
+    bounded_outputs,
+    calibration_tensors,
+    collect_ranges,
+    save_ranges,
+)
 from models.quantize.variants import QdqVariants
 
 if TYPE_CHECKING:
@@ -197,6 +202,7 @@ class QdqQuantizer:
             batch_size=self.config.batch_size,
             progress=self.config.progress,
             fixed_batch=self.config.fixed_batch,
+            observed=bounded_outputs(self.float_model),
         )
         save_ranges(ranges, self._method(), self.cache_path)
         self.calibration_seconds = time.perf_counter() - started

@@ -68,6 +68,19 @@ def calibration_tensors(model: Any, op_types: Collection[str]) -> list[str]:
     return list(selected)
 
 
+# Activations whose outputs are bounded scores or probabilities.
+BOUNDED_OP_TYPES = frozenset({"Sigmoid", "HardSigmoid", "Softmax", "Tanh"})
+
+
+def bounded_outputs(model: Any) -> list[str]:
+    """The outputs of :data:`BOUNDED_OP_TYPES` nodes, calibrated by the values seen
+    (``collect_ranges(observed=...)``). A text detector's probability map is a sigmoid's
+    output, near 0 almost everywhere: its entropy range (PP-OCRv4's, 0.063) clipped every
+    probability above it, so no position reached the 0.5 that marks text."""
+    return [name for node in model.graph.node if node.op_type in BOUNDED_OP_TYPES
+            for name in node.output]
+
+
 def collect_ranges(
     model: Any,
     tensors: Sequence[str],
@@ -78,9 +91,11 @@ def collect_ranges(
     batch_size: int = 32,
     progress: bool = False,
     fixed_batch: int | None = None,
+    observed: Collection[str] = (),
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Each tensor's calibrated range (lowest, highest), as ONNX Runtime's symmetric calibrator
-    of ``method`` (entropy, percentile, minmax) finds it over all of ``calibration``.
+    of ``method`` (entropy, percentile, minmax) finds it over all of ``calibration``; the
+    tensors in ``observed`` get the range of the values seen (min-max) whatever the method.
 
     Args:
         model: The float model (shape inferred), not modified.
@@ -89,6 +104,9 @@ def collect_ranges(
             :data:`BATCH_BYTES`, and the model's own where its input fixes one.
         fixed_batch: The one batch size the graph runs at (``meta["fixed_batch"]``, found by
             running it: a graph may declare a dynamic batch and still bake one in), if any.
+        observed: Tensors whose largest values are the ones that matter, such as a sigmoid's
+            probabilities (:func:`bounded_outputs`): entropy and percentile cut off the rare
+            large values of a mostly-zero distribution, and those are the decisions.
     """
     histogram = method != "minmax"
     samples = _Samples(model, calibration, batch_size, passes=2 if histogram else 1,
@@ -102,10 +120,16 @@ def collect_ranges(
             return {name: _symmetric(low, high) for name, (low, high, _) in extremes.items()}
         histograms = _histograms(tensor_session, tensors, samples, extremes,
                                  absolute=method == "percentile")
-    if method == "percentile":
-        return {name: percentile_range(*histograms[name], *extremes[name][:2], percentile)
-                for name in tensors}
-    return {name: entropy_range(*histograms[name], *extremes[name][:2]) for name in tensors}
+    observed = set(observed)
+    ranges = {}
+    for name in tensors:
+        if name in observed:
+            ranges[name] = _symmetric(*extremes[name][:2])
+        elif method == "percentile":
+            ranges[name] = percentile_range(*histograms[name], *extremes[name][:2], percentile)
+        else:
+            ranges[name] = entropy_range(*histograms[name], *extremes[name][:2])
+    return ranges
 
 
 def _symmetric(lowest: np.ndarray, highest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
