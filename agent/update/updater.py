@@ -603,6 +603,8 @@ class Updater:
         if failed:
             self._count_failure(run, stop.reason, state)
         target = ON_FAILURE[state] if failed else ON_CANCEL[state]
+        if state is UpdateState.COMMITTED and stop.reason == "operator_rollback":
+            target = UpdateState.ROLLING_BACK  # an operator wants the committed version gone
         if target is not UpdateState.ROLLING_BACK:
             if state is UpdateState.COMMITTED:  # cut short by a newer request: keep it
                 await self._end(run, target, result="committed", reason=stop.reason,
@@ -633,16 +635,18 @@ class Updater:
 
     async def _roll_back(self, run: _Run) -> None:
         """The work of rolling-back, then its end: revert a committed candidate that serves,
-        discard one that never did. Not interrupted by requests; bounded by its deadline."""
+        discard one that does not (it never did, or a revert before a restart already
+        happened). Not interrupted by requests; bounded by its deadline."""
         pending = self._doc.pending or self._outcome(run, "failed", "interrupted_by_restart",
                                                      UpdateState.ROLLING_BACK, None)
         try:
-            if run.job.record.committed:
-                serving = await self._step(run, self.steps.serving, interruptible=False)
-                if run.job.bundle is not None and run.job.bundle.matches(serving):
-                    await self._step(run, partial(self.steps.revert, run.job), interruptible=False)
-                    self.counters.rollbacks += 1
-            else:
+            reverting = run.job.record.committed and run.job.bundle is not None and (
+                run.job.bundle.matches(await self._step(run, self.steps.serving,
+                                                        interruptible=False)))
+            if reverting:
+                await self._step(run, partial(self.steps.revert, run.job), interruptible=False)
+                self.counters.rollbacks += 1
+            elif run.job.record.kind == "update":  # never served, or no longer does
                 await self._step(run, partial(self.steps.discard, run.job), interruptible=False)
         except _Stop as stop:
             await self._end(run, UpdateState.FAILED, result="failed", reason="rollback_failed",
@@ -921,7 +925,8 @@ class Updater:
     def _is_duplicate(self, run: _Run, request: UpdateRequest) -> bool:
         """Whether ``request`` asks for the update ``run`` is applying (a redelivered message)."""
         record = run.job.record
-        if record.kind != "update" or self.state not in FORWARD or run.interrupt.is_set():
+        if (record.kind != "update" or self.state is UpdateState.ROLLING_BACK
+                or run.interrupt.is_set()):
             return False
         expected = request.expected
         if expected.is_known():

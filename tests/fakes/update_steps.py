@@ -140,9 +140,13 @@ class FakeSteps:
     async def watch(self, job: UpdateJob) -> Verdict:
         if await self._act("watch", job) == "unhealthy":
             return Verdict(healthy=False, reason="error_rate", detail="5% of requests failed")
-        if self.watch_s is None:
-            await asyncio.Event().wait()
-        await asyncio.sleep(self.watch_s or 0.0)
+        try:
+            if self.watch_s is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(self.watch_s or 0.0)
+        except asyncio.CancelledError:
+            self.cancelled.append("watch")
+            raise
         return Verdict(healthy=True)
 
     async def discard(self, job: UpdateJob) -> None:
