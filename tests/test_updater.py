@@ -761,15 +761,61 @@ def test_a_daemon_stop_leaves_the_update_for_the_next_start(tmp_path: Path) -> N
 
 # -- the API's edges --------------------------------------------------------------------------
 
-def test_requests_before_recover_and_a_second_recover_are_bugs(tmp_path: Path) -> None:
+def test_a_request_before_recovery_is_told_to_retry_and_a_second_recover_is_a_bug(
+        tmp_path: Path) -> None:
     updater, _ = make(tmp_path)
 
     async def scenario() -> None:
-        with pytest.raises(InternalError):
-            await updater.request(want(2))
+        for call in (updater.request(want(2)), updater.rollback()):
+            with pytest.raises(UpdateError) as caught:
+                await call
+            assert caught.value.reason == "not_ready"
         await updater.recover()
         with pytest.raises(InternalError):
             await updater.recover()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(("field", "value"), [("source", ""), ("version", 0), ("version", True),
+                                              ("sha256", "AB" * 32), ("sha256", "00"),
+                                              ("name", "")])
+def test_a_malformed_request_is_refused_naming_the_field(field: str, value: object) -> None:
+    facts: dict[str, Any] = {"source": "fake://m/2", field: value}
+    with pytest.raises(UpdateError) as caught:
+        UpdateRequest(**facts)
+    assert caught.value.reason == "invalid_request" and caught.value.fields["key"] == field
+
+
+def test_a_journal_that_cannot_be_written_fails_the_update_before_any_work(
+        tmp_path: Path) -> None:
+    updater, steps = make(tmp_path)
+
+    async def scenario() -> None:
+        await updater.recover()
+        updater.journal.path.mkdir()  # a rename over a directory fails
+        await updater.request(want(2))
+        outcome = await settle(updater)
+        assert (outcome.result, outcome.reason) == ("failed", "journal_unwritable")
+
+    run(scenario)
+    assert steps.called("download") == 0 and steps.serving_now() == v(1)
+
+
+def test_run_recovers_serves_and_closes_when_cancelled(tmp_path: Path) -> None:
+    left_in(tmp_path, S.STAGED)
+    updater, steps = make(tmp_path)
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(updater.run())
+        await asyncio.sleep(0.1)
+        assert updater.status()["recovery"]["action"] == "discarded"
+        steps.behaviour["warm"] = "hang"
+        await updater.request(want(3))
+        await steps.event("warm").wait()
+        task.cancel()
+        await asyncio.wait({task})
+        assert "warm" in steps.cancelled and updater.state is S.WARMING
 
     run(scenario)
 

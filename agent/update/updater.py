@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 import uuid
@@ -89,6 +90,7 @@ T = TypeVar("T")
 Listener = Callable[[dict[str, Any]], None]
 HISTORY_TAIL = 10  # history entries status() shows
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 # The states from staged on: the candidate is on the device and its content was tried.
 _CANDIDATE_STATES = frozenset(FORWARD[FORWARD.index(UpdateState.STAGED):])
 
@@ -109,6 +111,23 @@ class UpdateRequest:
     version: int | None = None
     sha256: str | None = None
     request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        problems: list[tuple[str, str, object]] = []
+        if not isinstance(self.source, str) or not self.source:
+            problems.append(("source", "a path or URL", self.source))
+        if self.name is not None and not (isinstance(self.name, str) and self.name):
+            problems.append(("name", "a model name", self.name))
+        if self.version is not None and (isinstance(self.version, bool) or not isinstance(
+                self.version, int) or self.version < 1):
+            problems.append(("version", "an integer >= 1", self.version))
+        if self.sha256 is not None and (not isinstance(self.sha256, str)
+                                        or _SHA256.fullmatch(self.sha256) is None):
+            problems.append(("sha256", "64 lower-case hex digits", self.sha256))
+        if problems:
+            key, expected, found = problems[0]
+            raise UpdateError(f"invalid update request: bad {key}", reason="invalid_request",
+                              key=key, expected=expected, found=repr(found))
 
     @property
     def expected(self) -> BundleId:
@@ -376,7 +395,8 @@ class Updater:
 
         Raises:
             UpdateError: ``attempts_exhausted``: the bundle failed its attempts budget and is
-                refused until a newer version is requested.
+                refused until a newer version is requested; ``not_ready``: :meth:`recover` has
+                not finished.
         """
         lock = self._require_recovered()
         self._sequence += 1
@@ -420,7 +440,8 @@ class Updater:
         before it. Returns once the rollback is done, or under way for a revert.
 
         Raises:
-            UpdateError: ``nothing_to_roll_back``: no version serves.
+            UpdateError: ``nothing_to_roll_back``: no version serves; ``not_ready``: as for
+                :meth:`request`.
         """
         lock = self._require_recovered()
         self._sequence += 1
@@ -477,6 +498,16 @@ class Updater:
         while self._run is not None and self._run.task is not None:
             await asyncio.wait({self._run.task})
         return self._doc.last_outcome
+
+    async def run(self) -> None:
+        """The daemon's background task (agent/supervisor.py): :meth:`recover`, then serve
+        requests until cancelled, then :meth:`close`."""
+        if self._recovery is None:
+            await self.recover()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.close()
 
     async def close(self) -> None:
         """Stop the update in progress where it is, for a daemon shutdown: the journal keeps its
@@ -918,8 +949,11 @@ class Updater:
         return None
 
     def _require_recovered(self) -> asyncio.Lock:
+        # A command can reach the daemon while the updater still settles the last run: that is
+        # the requester's timing, not a bug, so it gets an answer it can retry on.
         if self._lock is None or self._recovery is None:
-            raise InternalError("Updater.recover() must be awaited before requests")
+            raise UpdateError("the updater is still recovering from the last run; try again",
+                              reason="not_ready")
         return self._lock
 
     def _is_duplicate(self, run: _Run, request: UpdateRequest) -> bool:
