@@ -287,7 +287,8 @@ class JournalDoc:
                                                                         "journal.last_outcome"),
         )
         if doc.state not in (UpdateState.IDLE, UpdateState.FAILED) and doc.update is None:
-            raise JournalFormatError(f"journal.state is {doc.state.value} but no update is recorded")
+            raise JournalFormatError(
+                f"journal.state is {doc.state.value} but no update is recorded")
         return doc
 
 

@@ -692,8 +692,8 @@ class Updater:
     async def _discard_quietly(self, run: _Run) -> None:
         """Discard before staged: a failure here is logged; nothing serves from it."""
         try:
-            await self._step(run, partial(self.steps.discard, run.job), interruptible=False, deadline_s=
-                             self.policy.rolling_back_s)
+            await self._step(run, partial(self.steps.discard, run.job), interruptible=False,
+                             deadline_s=self.policy.rolling_back_s)
         except _Stop as stop:
             log.warning("could not discard what update %s left: %s", run.job.update_id,
                         stop.detail)
