@@ -236,7 +236,8 @@ class UpdateSteps(Protocol):
     the journal and the metrics record.
 
     ``discard`` and ``revert`` may be called again for the same update after a restart, so they
-    must be idempotent; ``discard`` never removes the version that serves.
+    must be idempotent; ``discard`` never removes the version that serves. A step must never
+    block the event loop: a deadline cancels an await, it cannot interrupt synchronous code.
     """
 
     async def serving(self) -> BundleId | None:
