@@ -104,7 +104,8 @@ def test_entropy_ranges_are_onnx_runtimes_up_to_its_rounding(tmp_path, monkeypat
         session = ranges._session(ranges._with_outputs(model, tensors))
         extremes = ranges._extremes(model, tensors, batches, session, absolute=False)
         histograms = ranges._histograms(session, tensors, batches, extremes, absolute=False)
-    found = _floats(ranges.collect_ranges(model, tensors, samples, method="entropy", batch_size=8))
+    found = _floats(ranges.collect_ranges(model, tensors, samples, method="entropy", batch_size=8,
+                                        entropy_min_values=0))
     for name in tensors:
         theirs = calibrator.collector.histogram_dict[name]
         np.testing.assert_array_equal(histograms[name][0], theirs[0])
@@ -239,8 +240,35 @@ def test_a_sigmoids_probabilities_keep_their_largest_values():
     calibration = CalibrationSet({"x": images}, "test")
     assert ranges.bounded_outputs(model) == ["p"]
     tensors = ranges.calibration_tensors(model, quantized_op_types())
-    cut = ranges.collect_ranges(model, tensors, calibration, method=method)
-    seen = ranges.collect_ranges(model, tensors, calibration, method=method, observed=["p"])
+    cut = ranges.collect_ranges(model, tensors, calibration, method=method, entropy_min_values=0)
+    seen = ranges.collect_ranges(model, tensors, calibration, method=method, observed=["p"],
+                                 entropy_min_values=0)
     assert float(cut["p"][1]) < 0.5  # what the cut would have kept: no decision survives
     assert float(seen["p"][1]) == pytest.approx(1.0, abs=1e-3)
     assert float(seen["logits"][1]) == pytest.approx(float(cut["logits"][1]))  # others as before
+
+
+def test_a_tensor_of_few_values_is_calibrated_by_the_values_seen():
+    """A squeeze-excitation vector (N x C x 1 x 1): too few values for an entropy histogram of
+    2,048 bins, whose threshold then cuts the channels that matter."""
+    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["g"], name="squeeze"),
+             helper.make_node("Conv", ["g", "w"], ["e"], name="excite"),
+             helper.make_node("Relu", ["e"], ["y"], name="relu")]
+    graph = helper.make_graph(
+        nodes, "excitation",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8, 1, 1])],
+        [numpy_helper.from_array(np.eye(8, dtype=np.float32).reshape(8, 8, 1, 1), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    model = onnx.shape_inference.infer_shapes(model)
+    rng = np.random.default_rng(4)
+    images = np.abs(rng.normal(scale=0.2, size=(64, 8, 4, 4))).astype(np.float32)
+    images[:3, 5] += 12.0  # one channel is strong now and then: 3 values of 512
+    calibration = CalibrationSet({"x": images}, "test")
+    tensors = ranges.calibration_tensors(model, quantized_op_types())
+    found = ranges.collect_ranges(model, tensors, calibration, method="entropy")
+    cut = ranges.collect_ranges(model, tensors, calibration, method="entropy", entropy_min_values=0)
+    strongest = float(images[:3, 5].mean(axis=(1, 2)).max())
+    assert float(found["e"][1]) == pytest.approx(strongest, rel=1e-4)
+    assert float(cut["e"][1]) < 0.5 * strongest

@@ -203,6 +203,7 @@ class QdqQuantizer:
             progress=self.config.progress,
             fixed_batch=self.config.fixed_batch,
             observed=bounded_outputs(self.float_model),
+            entropy_min_values=self.config.entropy_min_values,
         )
         save_ranges(ranges, self._method(), self.cache_path)
         self.calibration_seconds = time.perf_counter() - started

@@ -46,6 +46,7 @@ from models.quantize.judges import OutputJudge
 from models.quantize.local_error import local_sensitivity
 from models.quantize.measures import cosine_score, sqnr_db
 from models.quantize.qdq import CALIBRATION_METHODS, QdqQuantizer, quantized_layers
+from models.quantize.ranges import ENTROPY_MIN_VALUES
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,9 @@ class QuantizeConfig:
     refine_evaluations: int = 2
     # A model with no layer left in INT8 is refused unless this is set (then it is FP16 throughout).
     allow_no_int8: bool = False
+    # Entropy calibration of tensors with fewer values than this over all calibration samples
+    # falls back to the values seen (models.quantize.ranges.ENTROPY_MIN_VALUES).
+    entropy_min_values: int = ENTROPY_MIN_VALUES
     progress: bool = True
 
     def __post_init__(self) -> None:

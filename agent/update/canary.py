@@ -1,0 +1,395 @@
+"""Health gates for a new version: the shadow canary before commit, the watch window after it.
+
+**Canary** (:class:`ShadowCanary`): while the old version answers every request, the batches it
+ran are handed (the batcher's tap) to the new version too, on a low-priority thread; the old
+answer goes to the client, the new one is only compared. The verdict (:class:`Verdict`) fails on:
+
+- ``errors``: the new version raised on more than ``max_error_rate`` of its shadowed batches;
+- ``non_finite``: it gave NaN or Inf where the old version's output was finite;
+- ``disagreement``: fewer than ``min_agreement`` of the shadowed samples decide as the old
+  version did (the class for class scores, cosine >= ``min_cosine`` for other outputs, equal
+  values for integers);
+- ``slow``: its median compute time per batch over the old version's for the same batches is
+  above ``max_latency_ratio``. Both are timed where they ran; the shadow runs at low priority
+  beside the serving instances, so the ratio errs towards slow and the default bound is loose.
+
+With no traffic in ``duration_s`` there is nothing to compare: the verdict passes as
+``no_traffic`` (the watch window still checks what comes later) unless ``require_traffic``.
+
+**Watch window** (:class:`HealthWatch`): after commit, the served version's answers are checked
+against the old version's figures from the canary: its failure share, NaN or Inf in its outputs,
+and its 95th-percentile latency against the old one's. A regression there rolls back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agent.backends.base import Backend, batch_rows
+from agent.batcher.batcher import Tapped
+from agent.errors import ConfigError
+from agent.observers import RequestDone, ServingObserver
+from agent.update.priority import LowPriority
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanaryPolicy:
+    """How a new version is judged before and after commit (``[update]`` in the configuration).
+
+    Args:
+        duration_s: How long the canary shadows live traffic at most.
+        min_samples: Shadowed samples enough for a verdict (it may end before ``duration_s``).
+        max_error_rate: Largest share of shadowed batches the new version may fail.
+        min_agreement: Smallest share of shadowed samples deciding as the old version did.
+        min_cosine: Per sample, for outputs without a class axis: the cosine that agrees.
+        max_latency_ratio: Largest median compute time of the new version over the old one.
+        require_traffic: Fail (``no_traffic``) when nothing could be shadowed.
+        queue_batches: Batches waiting for the shadow at most; more are skipped, not queued.
+        watch_s: The watch window after commit.
+        watch_min_requests: Requests the watch needs before it judges latency and failures.
+        watch_max_failure_rate: Largest share of failed requests after commit.
+        watch_max_latency_ratio: Largest P95 latency after commit over the old version's.
+    """
+
+    duration_s: float = 30.0
+    min_samples: int = 64
+    max_error_rate: float = 0.0
+    min_agreement: float = 0.9
+    min_cosine: float = 0.98
+    max_latency_ratio: float = 3.0
+    require_traffic: bool = False
+    queue_batches: int = 4
+    watch_s: float = 600.0
+    watch_min_requests: int = 50
+    watch_max_failure_rate: float = 0.05
+    watch_max_latency_ratio: float = 3.0
+
+    def __post_init__(self) -> None:
+        for name in ("duration_s", "watch_s", "max_latency_ratio", "watch_max_latency_ratio"):
+            if not getattr(self, name) > 0:
+                raise ConfigError("must be positive", key=f"update.canary.{name}",
+                                  found=getattr(self, name))
+        for name in ("max_error_rate", "min_agreement", "min_cosine", "watch_max_failure_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError("must be between 0 and 1", key=f"update.canary.{name}",
+                                  found=getattr(self, name))
+        for name in ("min_samples", "queue_batches", "watch_min_requests"):
+            if getattr(self, name) < 1:
+                raise ConfigError("must be at least 1", key=f"update.canary.{name}",
+                                  found=getattr(self, name))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A health gate's decision: ``reason`` is ``ok``/``no_traffic`` when it passed, else what
+    failed (``errors``, ``non_finite``, ``disagreement``, ``slow``, ``failures``)."""
+
+    passed: bool
+    reason: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"passed": self.passed, "reason": self.reason, **self.figures}
+
+    def describe(self) -> str:
+        details = ", ".join(f"{name} {value}" for name, value in self.figures.items())
+        return f"{self.reason} ({details})" if details else self.reason
+
+
+# -- comparing two versions' outputs -----------------------------------------------------------
+
+def samples_agree(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], *,
+                  batch_axes: Mapping[str, int], min_cosine: float) -> tuple[np.ndarray, bool]:
+    """Per sample, whether ``new`` decides as ``old`` on every output; and whether ``new`` has
+    NaN or Inf where ``old`` is finite."""
+    agree: np.ndarray | None = None
+    non_finite = False
+    for name, want in old.items():
+        got = new.get(name)
+        axis = batch_axes.get(name, 0)
+        want = np.moveaxis(np.asarray(want), axis, 0)
+        if got is None or np.shape(got) != np.shape(np.moveaxis(want, 0, axis)):
+            ok = np.zeros(want.shape[0], dtype=bool)  # a missing or reshaped output
+        else:
+            got = np.moveaxis(np.asarray(got), axis, 0)
+            if got.dtype.kind == "f" and not np.isfinite(got).all():
+                if np.isfinite(want[~np.isfinite(got)]).any():
+                    non_finite = True
+            ok = _agreement(want, got, min_cosine)
+        agree = ok if agree is None else agree & ok
+    if agree is None:
+        return np.zeros(0, dtype=bool), non_finite
+    return agree, non_finite
+
+
+def _agreement(want: np.ndarray, got: np.ndarray, min_cosine: float) -> np.ndarray:
+    count = want.shape[0]
+    if want.dtype.kind != "f":
+        return (want.reshape(count, -1) == got.reshape(count, -1)).all(axis=1)
+    if want.ndim == 2 and want.shape[1] > 1:  # class scores: the class
+        return np.asarray(want.argmax(axis=1) == got.argmax(axis=1))
+    flat_want = want.reshape(count, -1).astype(np.float64)
+    flat_got = np.nan_to_num(got.reshape(count, -1).astype(np.float64), nan=0.0,
+                             posinf=0.0, neginf=0.0)
+    norms = np.linalg.norm(flat_want, axis=1) * np.linalg.norm(flat_got, axis=1)
+    dots = (flat_want * flat_got).sum(axis=1)
+    both_zero = (np.abs(flat_want).max(axis=1, initial=0.0) == 0) & (
+        np.abs(flat_got).max(axis=1, initial=0.0) == 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cosine = np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), 0.0)
+    return both_zero | (cosine >= min_cosine)
+
+
+def _stack(requests: Sequence[tuple[Mapping[str, Any], dict[str, np.ndarray]]],
+           batch_axes: Mapping[str, int]
+           ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+    """One batch of the requests' inputs (plain arrays only: a shared-memory input may have
+    changed since it was answered) and of their outputs."""
+    inputs: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+    outputs: dict[str, list[np.ndarray]] = collections.defaultdict(list)
+    for request_inputs, request_outputs in requests:
+        if not all(isinstance(value, np.ndarray) for value in request_inputs.values()):
+            continue
+        for name, value in request_inputs.items():
+            inputs[name].append(value)
+        for name, value in request_outputs.items():
+            outputs[name].append(value)
+    if not inputs:
+        return None
+    return ({name: np.concatenate(values, axis=0) for name, values in inputs.items()},
+            {name: np.concatenate(values, axis=batch_axes.get(name, 0))
+             for name, values in outputs.items()})
+
+
+# -- the canary ------------------------------------------------------------------------------
+
+class _LatencyByVersion(ServingObserver):
+    """Request latencies (total, seconds) of one version, most recent last."""
+
+    def __init__(self, version: int, keep: int = 4096) -> None:
+        self.version = version
+        self.latencies_s: collections.deque[float] = collections.deque(maxlen=keep)
+        self.outcomes: collections.Counter[str] = collections.Counter()
+
+    def request_done(self, event: RequestDone) -> None:
+        if event.version != self.version:
+            return
+        self.outcomes[event.outcome] += 1
+        if event.outcome == "success":
+            self.latencies_s.append(event.total_s)
+
+    def p95_s(self) -> float | None:
+        if len(self.latencies_s) < 20:
+            return None
+        return float(np.percentile(np.fromiter(self.latencies_s, dtype=np.float64), 95))
+
+
+class ShadowCanary:
+    """Shadows the old version's batches on the new version's backends (module docstring).
+
+    Args:
+        backends: The new version's instances (active, warmed up); the first one shadows.
+        worker: The new version's low-priority thread.
+        policy: The gates.
+        old_version: The version serving now (its batches are the ones shadowed).
+    """
+
+    def __init__(self, backends: Sequence[Backend], worker: LowPriority, policy: CanaryPolicy,
+                 *, old_version: int) -> None:
+        self.backend = backends[0]
+        self.worker = worker
+        self.policy = policy
+        self.old_version = old_version
+        self.old_latency = _LatencyByVersion(old_version)
+        self._queue: asyncio.Queue[Tapped] = asyncio.Queue(maxsize=policy.queue_batches)
+        self.samples = 0
+        self.agreeing = 0
+        self.batches = 0
+        self.errors = 0
+        self.skipped = 0
+        self.non_finite = False
+        self.ratios: list[float] = []
+
+    def tap(self, tapped: Tapped) -> None:
+        """The batcher's tap (on the loop): queue the batch, or skip it when the shadow lags."""
+        if tapped.version != self.old_version:
+            return
+        try:
+            self._queue.put_nowait(tapped)
+        except asyncio.QueueFull:
+            self.skipped += 1
+
+    async def run(self) -> Verdict:
+        """Shadow until enough samples were compared or ``duration_s`` passed, or a gate
+        failed; returns the verdict."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.policy.duration_s
+        while True:
+            verdict = self._early_verdict()
+            if verdict is not None:
+                return verdict
+            left = deadline - loop.time()
+            if left <= 0:
+                return self._final_verdict()
+            try:
+                tapped = await asyncio.wait_for(self._queue.get(), timeout=left)
+            except asyncio.TimeoutError:
+                return self._final_verdict()
+            await loop.run_in_executor(self.worker.executor, self._shadow, tapped)
+
+    def _shadow(self, tapped: Tapped) -> None:
+        """Run one tapped batch on the new version and compare (the low-priority thread)."""
+        axes = self.backend.output_batch_axes
+        stacked = _stack(tapped.requests, axes)
+        if stacked is None:
+            self.skipped += 1
+            return
+        inputs, old_outputs = stacked
+        self.batches += 1
+        started = time.perf_counter()
+        try:
+            new_outputs = self.backend.infer(inputs)
+        except Exception as exc:  # noqa: BLE001 - the new version's failure is the finding
+            self.errors += 1
+            log.warning("canary: the new version failed a shadowed batch: %s", exc)
+            return
+        compute_s = time.perf_counter() - started
+        if tapped.compute_s > 0:
+            self.ratios.append(compute_s / tapped.compute_s)
+        agree, non_finite = samples_agree(old_outputs, new_outputs, batch_axes=axes,
+                                          min_cosine=self.policy.min_cosine)
+        self.non_finite |= non_finite
+        self.samples += int(agree.size)
+        self.agreeing += int(agree.sum())
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "batches": self.batches,
+            "skipped_batches": self.skipped,
+            "errors": self.errors,
+            "agreement": round(self.agreeing / self.samples, 4) if self.samples else None,
+            "latency_ratio": round(statistics.median(self.ratios), 3) if self.ratios else None,
+            "old_p95_ms": (round(p95 * 1e3, 3) if (p95 := self.old_latency.p95_s()) is not None
+                           else None),
+        }
+
+    def _early_verdict(self) -> Verdict | None:
+        policy = self.policy
+        if self.non_finite:
+            return Verdict(False, "non_finite", self.figures())
+        if self.batches and self.errors / self.batches > policy.max_error_rate and (
+                self.errors >= 3 or self.batches >= 10 or policy.max_error_rate == 0):
+            return Verdict(False, "errors", self.figures())
+        if self.samples >= policy.min_samples:
+            return self._final_verdict()
+        return None
+
+    def _final_verdict(self) -> Verdict:
+        policy = self.policy
+        figures = self.figures()
+        if self.non_finite:
+            return Verdict(False, "non_finite", figures)
+        if self.batches and self.errors / self.batches > policy.max_error_rate:
+            return Verdict(False, "errors", figures)
+        if not self.samples:
+            return Verdict(not policy.require_traffic, "no_traffic", figures)
+        if self.agreeing / self.samples < policy.min_agreement:
+            return Verdict(False, "disagreement", figures)
+        if self.ratios and statistics.median(self.ratios) > policy.max_latency_ratio:
+            return Verdict(False, "slow", figures)
+        return Verdict(True, "ok", figures)
+
+
+# -- the watch window ------------------------------------------------------------------------
+
+class HealthWatch(ServingObserver):
+    """Checks the committed version's answers through the watch window (module docstring).
+
+    Subscribe it to the service's observers and set :meth:`tap` as the batcher's tap; :meth:`run`
+    returns the verdict when the window ends or at the first regression.
+    """
+
+    def __init__(self, version: int, policy: CanaryPolicy, *,
+                 old_p95_s: float | None) -> None:
+        self.version = version
+        self.policy = policy
+        self.old_p95_s = old_p95_s
+        self.latency = _LatencyByVersion(version)
+        self.non_finite_batches = 0
+        self._changed = asyncio.Event()
+
+    def request_done(self, event: RequestDone) -> None:
+        self.latency.request_done(event)
+        if event.version == self.version and event.outcome == "failure":
+            self._changed.set()
+
+    def tap(self, tapped: Tapped) -> None:
+        if tapped.version != self.version:
+            return
+        for _, outputs in tapped.requests:
+            if any(value.dtype.kind == "f" and not np.isfinite(value).all()
+                   for value in outputs.values()):
+                self.non_finite_batches += 1
+                self._changed.set()
+                return
+
+    def figures(self) -> dict[str, Any]:
+        outcomes = self.latency.outcomes
+        p95 = self.latency.p95_s()
+        return {
+            "requests": sum(outcomes.values()),
+            "failures": outcomes["failure"],
+            "non_finite_batches": self.non_finite_batches,
+            "p95_ms": round(p95 * 1e3, 3) if p95 is not None else None,
+            "old_p95_ms": round(self.old_p95_s * 1e3, 3) if self.old_p95_s else None,
+        }
+
+    def check(self) -> Verdict | None:
+        """A failed verdict at a regression, else None (nothing wrong seen yet)."""
+        policy = self.policy
+        if self.non_finite_batches:
+            return Verdict(False, "non_finite", self.figures())
+        outcomes = self.latency.outcomes
+        total = sum(outcomes.values())
+        if total >= policy.watch_min_requests:
+            if outcomes["failure"] / total > policy.watch_max_failure_rate:
+                return Verdict(False, "failures", self.figures())
+            p95 = self.latency.p95_s()
+            if (p95 is not None and self.old_p95_s and len(self.latency.latencies_s) >=
+                    policy.watch_min_requests
+                    and p95 > policy.watch_max_latency_ratio * self.old_p95_s):
+                return Verdict(False, "slow", self.figures())
+        return None
+
+    async def run(self, *, poll_s: float = 0.25) -> Verdict:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.policy.watch_s
+        while True:
+            verdict = self.check()
+            if verdict is not None:
+                return verdict
+            left = deadline - loop.time()
+            if left <= 0:
+                return Verdict(True, "ok", self.figures())
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(poll_s, left))
+            except asyncio.TimeoutError:
+                pass
+
+
+def finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
