@@ -33,11 +33,24 @@ from agent.backends import ModelArtifacts
 from agent.config import AgentConfig
 from agent.control import protocol
 from agent.control.server import ControlServer, Emit
-from agent.errors import AgentError, InternalError, StopRequested, StoreError
+from agent.errors import (
+    AgentError,
+    BundleError,
+    InternalError,
+    SignatureError,
+    StopRequested,
+    StoreError,
+)
 from agent.metrics import ServingMetrics, TaskMetrics
 from agent.serving import ModelService
 from agent.store import ModelStore
 from agent.supervisor import Supervisor, TaskFactory, TaskState, TaskStatus
+from agent.update.canary import CanaryPolicy
+from agent.update.download import DownloadPolicy
+from agent.update.service import attach_updater
+from agent.update.states import UpdatePolicy
+from agent.update.steps import DaemonSteps
+from agent.update.updater import Updater
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +88,10 @@ class Daemon:
     """
 
     def __init__(self, config: AgentConfig, *, shm_root: Path = Path("/dev/shm"),
-                 task_stop_timeout_s: float = 10.0) -> None:
+                 task_stop_timeout_s: float = 10.0,
+                 update_policy: UpdatePolicy | None = None,
+                 canary_policy: CanaryPolicy | None = None,
+                 download_policy: DownloadPolicy | None = None) -> None:
         self.config = config
         self.shm_root = shm_root
         self.state = DaemonState.CREATED
@@ -95,6 +111,10 @@ class Daemon:
         self._start_done: asyncio.Event | None = None
         self._stop_task: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.updater: Updater | None = None
+        self.update_steps: DaemonSteps | None = None
+        attach_updater(self, policy=update_policy, canary=canary_policy,
+                       download=download_policy)
 
     # -- parts attached before the start --------------------------------------------------------
 
@@ -227,7 +247,7 @@ class Daemon:
     def _verified(self, candidate: ModelArtifacts | None) -> ModelArtifacts:
         """The version to serve, verified again: the disk may have changed since install (a
         power loss, a damaged file)."""
-        current = candidate or self.store.current()
+        current = candidate or self._current_or_previous()
         if current is None:
             installed = {name: self.store.versions(name) for name in self.store.names()}
             if any(installed.values()):
@@ -239,6 +259,22 @@ class Daemon:
                              "'edge-agent serve --bundle B --pubkey PUB'",
                              state_dir=self.config.state_dir)
         return self.store.load(current.name, current.version)
+
+    def _current_or_previous(self) -> ModelArtifacts | None:
+        """The current version; the previous one when the current one no longer verifies (a
+        damaged file, a key no longer trusted), which then becomes current again."""
+        current = self.store.current()
+        if current is None:
+            return None
+        try:
+            return self.store.load(current.name, current.version)
+        except (StoreError, BundleError, SignatureError) as exc:
+            previous = self.store.previous()
+            if previous is None:
+                raise
+            log.error("%s v%d fails verification (%s): falling back to %s v%d", current.name,
+                      current.version, exc, previous.name, previous.version)
+            return self.store.rollback()
 
     def request_stop(self) -> None:
         """Ask the daemon to stop (thread-safe): :meth:`wait_for_stop` returns, and a start that

@@ -118,6 +118,17 @@ class ModelService:
         self.batcher.start()
         self.ready = True
 
+    async def swap(self, version: int, backends: Sequence[Backend], policy: BatchPolicy, *,
+                   drain_timeout_s: float | None = None) -> list[Backend]:
+        """Serve ``version`` on ``backends`` (active, warmed up) from now on: new batches go to
+        them at once, and the version everywhere (URLs, responses, statistics, the Prometheus
+        metric) follows. Returns the old backends once their in-flight batches drained (at most
+        ``drain_timeout_s``), for the caller to free."""
+        self.version = version
+        self.metrics.set_model_version(version)
+        return await self.batcher.replace_backends(backends, policy=policy,
+                                                   drain_timeout_s=drain_timeout_s)
+
     async def stop(self, *, drain: bool = True, timeout_s: float = 30.0) -> None:
         self.ready = False
         await self.batcher.stop(drain=drain, timeout_s=timeout_s)

@@ -22,8 +22,16 @@ from models.signing import generate_private_key
 CLASSES = 10
 
 
-def tiny_classifier(path: Path, *, seed: int = 0, static_hw: int | None = None) -> Path:
-    """Conv 3x3 -> ReLU -> global average pool -> fully connected, with fixed random weights."""
+# How a tiny classifier can misbehave, for the updater's tests: ``nan`` answers NaN always;
+# ``nan_on_negative`` answers NaN for inputs of negative mean (a model that passes a canary fed
+# positive images and breaks later); ``slow`` computes the same logits after a long detour.
+FAULTS = ("nan", "nan_on_negative", "slow")
+
+
+def tiny_classifier(path: Path, *, seed: int = 0, static_hw: int | None = None,
+                    fault: str | None = None) -> Path:
+    """Conv 3x3 -> ReLU -> global average pool -> fully connected, with fixed random weights
+    (and the ``fault`` of :data:`FAULTS` asked for)."""
     rng = np.random.default_rng(seed)
     hw: list[int | str] = [static_hw, static_hw] if static_hw else ["height", "width"]
     initializers = [
@@ -39,6 +47,9 @@ def tiny_classifier(path: Path, *, seed: int = 0, static_hw: int | None = None) 
         helper.make_node("Flatten", ["pool"], ["flat"]),
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], transB=1),
     ]
+    if fault is not None:
+        nodes[-1].output[0] = "clean"
+        nodes.extend(_fault_nodes(fault, initializers))
     graph = helper.make_graph(
         nodes, "tiny",
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, *hw])],
@@ -51,6 +62,42 @@ def tiny_classifier(path: Path, *, seed: int = 0, static_hw: int | None = None) 
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
     return path
+
+
+def _fault_nodes(fault: str, initializers: list[Any]) -> list[Any]:
+    """Nodes from ``clean`` (the logits) to ``logits`` that add the fault."""
+    if fault == "nan":
+        initializers.append(numpy_helper.from_array(np.array(np.nan, np.float32), "nan"))
+        return [helper.make_node("Add", ["clean", "nan"], ["logits"])]
+    if fault == "nan_on_negative":
+        # 0 * sqrt(mean(input)): 0 for a positive mean, NaN for a negative one.
+        initializers.append(numpy_helper.from_array(np.array(0.0, np.float32), "zero"))
+        return [helper.make_node("ReduceMean", ["input"], ["mean"], axes=[1, 2, 3], keepdims=0),
+                helper.make_node("Sqrt", ["mean"], ["root"]),
+                helper.make_node("Mul", ["root", "zero"], ["nothing"]),
+                helper.make_node("Unsqueeze", ["nothing", "axis"], ["column"]),
+                helper.make_node("Add", ["clean", "column"], ["logits"])] + [
+            _constant(initializers, "axis", np.array([1], np.int64))]
+    if fault == "slow":
+        # A chain of large matrix products that cancels out: the same logits, much later.
+        size = 512
+        initializers.append(numpy_helper.from_array(np.eye(size, dtype=np.float32), "eye"))
+        initializers.append(numpy_helper.from_array(
+            np.zeros((CLASSES, size), np.float32), "widen"))
+        nodes = [helper.make_node("MatMul", ["clean", "widen"], ["wide0"])]
+        for step in range(80):
+            nodes.append(helper.make_node("MatMul", [f"wide{step}", "eye"], [f"wide{step + 1}"]))
+        initializers.append(numpy_helper.from_array(
+            np.zeros((size, CLASSES), np.float32), "narrow"))
+        nodes += [helper.make_node("MatMul", ["wide80", "narrow"], ["detour"]),
+                  helper.make_node("Add", ["clean", "detour"], ["logits"])]
+        return nodes
+    raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
+
+
+def _constant(initializers: list[Any], name: str, value: np.ndarray) -> Any:
+    initializers.append(numpy_helper.from_array(value, name))
+    return helper.make_node("Identity", [name], [f"{name}_copy"])
 
 
 def reference_logits(path: Path, images: np.ndarray) -> np.ndarray:
@@ -83,12 +130,13 @@ def tiny_manifest(name: str = "tiny", version: int = 1, *, max_batch: int = 32,
 
 
 def make_bundle(directory: Path, *, name: str = "tiny", version: int = 1, seed: int = 0,
-                key: Any = None) -> tuple[Path, Any]:
+                key: Any = None, fault: str | None = None) -> tuple[Path, Any]:
     """A signed bundle of the tiny classifier; returns (bundle path, private key)."""
     key = key or generate_private_key()
-    work = directory / f"src-{name}-{version}"
-    onnx_path = tiny_classifier(work / "model.onnx", seed=seed)
-    bundle = directory / f"{name}-{version}.bundle"
+    label = f"{name}-{version}" + (f"-{fault}" if fault else "") + (f"-s{seed}" if seed else "")
+    work = directory / f"src-{label}"
+    onnx_path = tiny_classifier(work / "model.onnx", seed=seed, fault=fault)
+    bundle = directory / f"{label}.bundle"
     pack_bundle(bundle, tiny_manifest(name, version), {"model.onnx": onnx_path}, key)
     return bundle, key
 

@@ -342,8 +342,10 @@ class InferenceServer:
                 service.rejected("failure")  # a fault of ours, still counted
                 raise
             result = await future
+            # The version that computed it: during a swap, the old one may still answer.
+            version = result.version if result.version is not None else service.version
             payload, headers = encode_response(decoded, result.outputs, model_name=service.name,
-                                               model_version=str(service.version))
+                                               model_version=str(version))
         finally:
             metrics.inflight(-1)
         metrics.observe_request(time.perf_counter() - started)

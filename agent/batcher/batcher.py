@@ -9,7 +9,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,17 @@ from agent.scattered import DeferredArray
 log = logging.getLogger(__name__)
 
 CANDIDATE_SCAN = 1024  # queued requests looked at to form the next batches
+
+
+@dataclass(frozen=True)
+class Tapped:
+    """A batch that ran, as the tap sees it (:meth:`Batcher.set_tap`): each answered request's
+    inputs (arrays, or shared-memory views that may change once answered) and outputs."""
+
+    version: int
+    requests: list[tuple[Mapping[str, np.ndarray | DeferredArray], dict[str, np.ndarray]]]
+    compute_s: float
+    samples: int
 
 
 @dataclass
@@ -72,6 +83,7 @@ class Batcher:
         self._found_alone = 0.0  # EWMA of arrivals that found the batcher empty
         self._max_batch_size = min(policy.max_batch_size,
                                    *(backend.max_batch_size for backend in instances))
+        self._tap: Callable[[Tapped], None] | None = None
 
     def _wrap(self, backend: Backend) -> Instance:
         index = next(_instance_numbers)
@@ -131,24 +143,44 @@ class Batcher:
         # still handled meanwhile.
         await asyncio.get_running_loop().run_in_executor(None, _shut_down, self._instances)
 
-    async def replace_backends(self, backends: Sequence[Backend]) -> list[Backend]:
-        """Swap in new (active) backend instances; new batches go to them at once and the old
-        instances finish their in-flight batches. Returns the old backends once drained, for the
-        caller to deactivate (the blue-green swap of a later issue builds on this)."""
+    async def replace_backends(self, backends: Sequence[Backend], *,
+                               policy: BatchPolicy | None = None,
+                               drain_timeout_s: float | None = None) -> list[Backend]:
+        """Swap in new (active) backend instances, and with them ``policy`` (a new version's
+        batch limits and preferred sizes); new batches go to them at once and the old
+        instances finish their in-flight batches. Returns the old backends once drained (or
+        once ``drain_timeout_s`` passed: their batches still running are left to finish on
+        their own threads), for the caller to deactivate: the blue-green swap."""
+        if not backends:
+            raise ConfigError("at least one backend instance is needed", key="serving.instances")
         old = self._instances
         for instance in old:
             instance.retired = True
+        if policy is not None:
+            if policy.priority_levels != self.policy.priority_levels:
+                raise ConfigError("a swap cannot change the number of priority levels",
+                                  key="serving.priority_levels")
+            self.policy = policy
         self._instances = [self._wrap(backend) for backend in backends]
         self._max_batch_size = min(self.policy.max_batch_size,
                                    *(backend.max_batch_size for backend in backends))
         self._fail_oversized()
         self._poke()
+        deadline = None if drain_timeout_s is None else time.monotonic() + drain_timeout_s
         while any(instance.outstanding for instance in old):
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("old instances still ran %d batch(es) after %.1f s of draining",
+                            sum(instance.outstanding for instance in old), drain_timeout_s)
+                break
             await asyncio.sleep(0.002)
-        for instance in old:
-            instance.stage_pool.shutdown(wait=True)
-            instance.run_pool.shutdown(wait=True)
+        # Off the loop: past the drain bound, this waits for the batches still running.
+        await asyncio.get_running_loop().run_in_executor(None, _shut_down, old)
         return [instance.backend for instance in old]
+
+    def set_tap(self, tap: Callable[[Tapped], None] | None) -> None:
+        """Hand every batch that ran to ``tap`` (the canary's shadow, the watch window), on
+        the event loop; None removes it. ``tap`` must only queue the work: it delays answers."""
+        self._tap = tap
 
     # -- submission ---------------------------------------------------------------------
 
@@ -469,7 +501,15 @@ class Batcher:
             # compute_input, as in Triton, whose phases never overlap.
             queue_s = max(0.0, ran.started - request.arrival - stage_s)
             self._finish(request, "success", result=InferenceResult(
-                result, queue_s, ran.compute_s, samples, stage_s, ran.split_s))
+                result, queue_s, ran.compute_s, samples, stage_s, ran.split_s,
+                version=instance.version))
+        if self._tap is not None:
+            answered = [(request.inputs, result) for index, (request, result)
+                        in enumerate(zip(batch, ran.outputs)) if index not in failed]
+            try:
+                self._tap(Tapped(instance.version, answered, ran.compute_s, samples))
+            except Exception:  # noqa: BLE001 - a faulty tap must not fail answered requests
+                log.exception("the batch tap failed")
 
     def _finish(self, request: Request, outcome: str, *, result: InferenceResult | None = None,
                 error: BaseException | None = None) -> None:

@@ -70,6 +70,7 @@ class InferenceResult:
     batch_size: int
     compute_input_s: float = 0.0  # its batch's staging copy
     compute_output_s: float = 0.0  # cutting the batch's outputs into per-request arrays
+    version: int | None = None  # the model version that computed it (a swap may be under way)
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,15 @@
 
 **Canary** (:class:`ShadowCanary`): while the old version answers every request, the batches it
 ran are handed (the batcher's tap) to the new version too, on a low-priority thread; the old
-answer goes to the client, the new one is only compared. The verdict (:class:`Verdict`) fails on:
+answer goes to the client, the new one is only compared. The verdict (:class:`HealthVerdict`) fails on:
 
 - ``errors``: the new version raised on more than ``max_error_rate`` of its shadowed batches;
 - ``non_finite``: it gave NaN or Inf where the old version's output was finite;
 - ``disagreement``: fewer than ``min_agreement`` of the shadowed samples decide as the old
   version did (the class for class scores, cosine >= ``min_cosine`` for other outputs, equal
   values for integers);
-- ``slow``: its median compute time per batch over the old version's for the same batches is
-  above ``max_latency_ratio``. Both are timed where they ran; the shadow runs at low priority
+- ``slow``: its compute time per batch over the old version's for the same batches (the lower
+  quartile of the ratios) is above ``max_latency_ratio``. Both are timed where they ran; the shadow runs at low priority
   beside the serving instances, so the ratio errs towards slow and the default bound is loose.
 
 With no traffic in ``duration_s`` there is nothing to compare: the verdict passes as
@@ -27,7 +27,6 @@ import asyncio
 import collections
 import logging
 import math
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.backends.base import Backend, batch_rows
+from agent.backends.base import Backend
 from agent.batcher.batcher import Tapped
 from agent.errors import ConfigError
 from agent.observers import RequestDone, ServingObserver
@@ -92,7 +91,7 @@ class CanaryPolicy:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class HealthVerdict:
     """A health gate's decision: ``reason`` is ``ok``/``no_traffic`` when it passed, else what
     failed (``errors``, ``non_finite``, ``disagreement``, ``slow``, ``failures``)."""
 
@@ -173,6 +172,24 @@ def _stack(requests: Sequence[tuple[Mapping[str, Any], dict[str, np.ndarray]]],
              for name, values in outputs.items()})
 
 
+def _timed_run(backend: Backend, inputs: Mapping[str, np.ndarray]
+               ) -> tuple[dict[str, np.ndarray], float]:
+    """The backend's outputs for ``inputs`` (owned) and the seconds its run took: the same part
+    of the work as the serving batches' ``compute_s``, without the copies in and out."""
+    batch_size = int(next(iter(inputs.values())).shape[0])
+    staged = backend.stage(batch_size, {name: tuple(array.shape[1:])
+                                        for name, array in inputs.items()})
+    try:
+        for name, array in inputs.items():
+            np.copyto(staged.inputs[name], array, casting="same_kind")
+        started = time.perf_counter()
+        outputs = backend.run(staged)
+        seconds = time.perf_counter() - started
+        return {name: np.array(value, copy=True) for name, value in outputs.items()}, seconds
+    finally:
+        staged.release()
+
+
 # -- the canary ------------------------------------------------------------------------------
 
 class _LatencyByVersion(ServingObserver):
@@ -231,7 +248,7 @@ class ShadowCanary:
         except asyncio.QueueFull:
             self.skipped += 1
 
-    async def run(self) -> Verdict:
+    async def run(self) -> HealthVerdict:
         """Shadow until enough samples were compared or ``duration_s`` passed, or a gate
         failed; returns the verdict."""
         loop = asyncio.get_running_loop()
@@ -258,14 +275,12 @@ class ShadowCanary:
             return
         inputs, old_outputs = stacked
         self.batches += 1
-        started = time.perf_counter()
         try:
-            new_outputs = self.backend.infer(inputs)
+            new_outputs, compute_s = _timed_run(self.backend, inputs)
         except Exception as exc:  # noqa: BLE001 - the new version's failure is the finding
             self.errors += 1
             log.warning("canary: the new version failed a shadowed batch: %s", exc)
             return
-        compute_s = time.perf_counter() - started
         if tapped.compute_s > 0:
             self.ratios.append(compute_s / tapped.compute_s)
         agree, non_finite = samples_agree(old_outputs, new_outputs, batch_axes=axes,
@@ -274,6 +289,12 @@ class ShadowCanary:
         self.samples += int(agree.size)
         self.agreeing += int(agree.sum())
 
+    def latency_ratio(self) -> float:
+        """The new version's compute time over the old one's for the same batches: the lower
+        quartile of the per-batch ratios, since being preempted (the shadow runs at low
+        priority beside the serving instances) only ever adds time."""
+        return float(np.percentile(self.ratios, 25))
+
     def figures(self) -> dict[str, Any]:
         return {
             "samples": self.samples,
@@ -281,36 +302,36 @@ class ShadowCanary:
             "skipped_batches": self.skipped,
             "errors": self.errors,
             "agreement": round(self.agreeing / self.samples, 4) if self.samples else None,
-            "latency_ratio": round(statistics.median(self.ratios), 3) if self.ratios else None,
+            "latency_ratio": round(self.latency_ratio(), 3) if self.ratios else None,
             "old_p95_ms": (round(p95 * 1e3, 3) if (p95 := self.old_latency.p95_s()) is not None
                            else None),
         }
 
-    def _early_verdict(self) -> Verdict | None:
+    def _early_verdict(self) -> HealthVerdict | None:
         policy = self.policy
         if self.non_finite:
-            return Verdict(False, "non_finite", self.figures())
+            return HealthVerdict(False, "non_finite", self.figures())
         if self.batches and self.errors / self.batches > policy.max_error_rate and (
                 self.errors >= 3 or self.batches >= 10 or policy.max_error_rate == 0):
-            return Verdict(False, "errors", self.figures())
+            return HealthVerdict(False, "errors", self.figures())
         if self.samples >= policy.min_samples:
             return self._final_verdict()
         return None
 
-    def _final_verdict(self) -> Verdict:
+    def _final_verdict(self) -> HealthVerdict:
         policy = self.policy
         figures = self.figures()
         if self.non_finite:
-            return Verdict(False, "non_finite", figures)
+            return HealthVerdict(False, "non_finite", figures)
         if self.batches and self.errors / self.batches > policy.max_error_rate:
-            return Verdict(False, "errors", figures)
+            return HealthVerdict(False, "errors", figures)
         if not self.samples:
-            return Verdict(not policy.require_traffic, "no_traffic", figures)
+            return HealthVerdict(not policy.require_traffic, "no_traffic", figures)
         if self.agreeing / self.samples < policy.min_agreement:
-            return Verdict(False, "disagreement", figures)
-        if self.ratios and statistics.median(self.ratios) > policy.max_latency_ratio:
-            return Verdict(False, "slow", figures)
-        return Verdict(True, "ok", figures)
+            return HealthVerdict(False, "disagreement", figures)
+        if self.ratios and self.latency_ratio() > policy.max_latency_ratio:
+            return HealthVerdict(False, "slow", figures)
+        return HealthVerdict(True, "ok", figures)
 
 
 # -- the watch window ------------------------------------------------------------------------
@@ -357,39 +378,38 @@ class HealthWatch(ServingObserver):
             "old_p95_ms": round(self.old_p95_s * 1e3, 3) if self.old_p95_s else None,
         }
 
-    def check(self) -> Verdict | None:
+    def check(self) -> HealthVerdict | None:
         """A failed verdict at a regression, else None (nothing wrong seen yet)."""
         policy = self.policy
         if self.non_finite_batches:
-            return Verdict(False, "non_finite", self.figures())
+            return HealthVerdict(False, "non_finite", self.figures())
         outcomes = self.latency.outcomes
         total = sum(outcomes.values())
         if total >= policy.watch_min_requests:
             if outcomes["failure"] / total > policy.watch_max_failure_rate:
-                return Verdict(False, "failures", self.figures())
+                return HealthVerdict(False, "failures", self.figures())
             p95 = self.latency.p95_s()
             if (p95 is not None and self.old_p95_s and len(self.latency.latencies_s) >=
                     policy.watch_min_requests
                     and p95 > policy.watch_max_latency_ratio * self.old_p95_s):
-                return Verdict(False, "slow", self.figures())
+                return HealthVerdict(False, "slow", self.figures())
         return None
 
-    async def run(self, *, poll_s: float = 0.25) -> Verdict:
+    async def run(self, *, until_regression: bool = False, poll_s: float = 0.25) -> HealthVerdict:
+        """The verdict at the first regression, or a pass at the end of ``watch_s`` (never,
+        with ``until_regression``: the updater ends the window by cancelling)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.policy.watch_s
+        deadline = math.inf if until_regression else loop.time() + self.policy.watch_s
         while True:
             verdict = self.check()
             if verdict is not None:
                 return verdict
             left = deadline - loop.time()
             if left <= 0:
-                return Verdict(True, "ok", self.figures())
+                return HealthVerdict(True, "ok", self.figures())
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(poll_s, left))
             except asyncio.TimeoutError:
                 pass
 
-
-def finite_or_none(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None

@@ -363,6 +363,18 @@ class Updater:
         listener must not block; one that raises is logged and skipped."""
         self._listeners.append(listener)
 
+    def running_update_id(self) -> str | None:
+        """The id of the update (or rollback) running now, None when none does."""
+        run = self._run
+        if run is None or run.task is None or run.task.done():
+            return None
+        return run.job.update_id
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener`` (one not added is ignored)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
     async def recover(self) -> RecoveryReport:
         """Read the journal and settle what a previous process left (see the module's table).
         Rollbacks and discards are done before this returns; a resumed download and a restarted

@@ -1,0 +1,174 @@
+"""The updater attached to a daemon: its background task and its commands on the control channel.
+
+:func:`attach_updater` makes the :class:`~agent.update.updater.Updater` with the daemon's steps
+(agent/update/steps.py), runs it as a background task (its recovery first, as the daemon starts
+serving) and answers ``update.apply``, ``update.status`` and ``update.rollback``
+(agent/control/protocol.py) from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from typing import TYPE_CHECKING, Any
+
+from agent.control import protocol
+from agent.control.server import Emit
+from agent.errors import UpdateError
+from agent.update.canary import CanaryPolicy
+from agent.update.download import DownloadPolicy
+from agent.update.states import UpdatePolicy, UpdateState
+from agent.update.steps import DaemonSteps
+from agent.update.updater import Updater, UpdateRequest
+
+if TYPE_CHECKING:
+    from agent.daemon import Daemon
+
+log = logging.getLogger(__name__)
+
+# Where ``update.apply --wait`` stops waiting: the update ended, or its new version serves.
+_SETTLED = frozenset({UpdateState.IDLE.value, UpdateState.FAILED.value,
+                      UpdateState.COMMITTED.value})
+
+
+def attach_updater(daemon: Daemon, *, policy: UpdatePolicy | None = None,
+                   canary: CanaryPolicy | None = None,
+                   download: DownloadPolicy | None = None,
+                   drain_timeout_s: float = 30.0) -> Updater:
+    """Give ``daemon`` an updater: a background task and the ``update.*`` commands."""
+    steps = DaemonSteps(daemon, canary=canary, download=download,
+                        drain_timeout_s=drain_timeout_s)
+    updater = Updater(state_dir=daemon.config.state_dir, steps=steps, policy=policy)
+    commands = UpdateCommands(daemon, updater, steps)
+
+    async def run() -> None:
+        try:
+            await updater.run()
+        finally:
+            await steps.close()
+
+    daemon.add_task("updater", run)
+    daemon.control.register(protocol.UPDATE_APPLY, commands.apply)
+    daemon.control.register(protocol.UPDATE_STATUS, commands.status)
+    daemon.control.register(protocol.UPDATE_ROLLBACK, commands.rollback)
+    daemon.updater = updater
+    daemon.update_steps = steps
+    return updater
+
+
+class UpdateCommands:
+    """The control channel's ``update.*`` handlers."""
+
+    def __init__(self, daemon: Daemon, updater: Updater, steps: DaemonSteps) -> None:
+        self.daemon = daemon
+        self.updater = updater
+        self.steps = steps
+
+    async def apply(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        apply = protocol.ApplyArgs.from_json(args)
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.updater.add_listener(events.put_nowait)
+        try:
+            answer = await self.updater.request(UpdateRequest(source=apply.source))
+            if answer.result != "started":
+                if answer.result == "already_current":
+                    return self.update_status()
+                raise UpdateError(f"not applied: {answer.detail}", reason=answer.result)
+            if not apply.wait:
+                return self.update_status()
+            update_id = answer.update_id
+            while True:
+                event = await events.get()
+                if event.get("update_id") not in (None, update_id):
+                    continue
+                forwarded = _forward(event)
+                if forwarded is not None:
+                    emit(forwarded)
+                if event.get("event") == "outcome" or (
+                        event.get("event") == "state" and event.get("to") in _SETTLED):
+                    return self.update_status()
+        finally:
+            self.updater.remove_listener(events.put_nowait)
+
+    async def status(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        return self.update_status()
+
+    async def rollback(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.updater.add_listener(events.put_nowait)
+        try:
+            answer = await self.updater.rollback()
+            update_id = answer.update_id
+            await self._forward_until_outcome(events, update_id, emit)
+            return self.update_status()
+        finally:
+            self.updater.remove_listener(events.put_nowait)
+
+    async def _forward_until_outcome(self, events: asyncio.Queue[dict[str, Any]],
+                                     update_id: str | None, emit: Emit) -> None:
+        """Pass the update's events on until it ends (its outcome); at once when nothing
+        runs any more."""
+        while True:
+            if self.updater.running_update_id() != update_id and events.empty():
+                return
+            event = await events.get()
+            if event.get("update_id") not in (None, update_id):
+                continue
+            forwarded = _forward(event)
+            if forwarded is not None:
+                emit(forwarded)
+            if event.get("event") == "outcome":
+                return
+
+    def update_status(self) -> dict[str, Any]:
+        """The updater's status in the control channel's shape (``protocol.UpdateStatus``)."""
+        status = self.updater.status()
+        services = self.daemon.services
+        serving = None
+        if len(services) == 1:
+            service = next(iter(services.values()))
+            serving = protocol.ModelVersion(name=service.name, version=service.version)
+        update = status.get("update") or {}
+        bundle = update.get("bundle") or {}
+        target = None
+        if update:
+            target = protocol.UpdateTarget(source=update.get("source") or "rollback",
+                                           name=bundle.get("name"), version=bundle.get("version"))
+        progress = status.get("progress") or {}
+        error = None
+        outcome = status.get("last_outcome")
+        if outcome and outcome.get("result") == "failed":
+            error = protocol.UpdateFailure(reason=outcome.get("reason") or "failed",
+                                           message=outcome.get("detail") or "")
+        downloading = status["state"] == UpdateState.DOWNLOADING.value
+        result = protocol.UpdateStatus(
+            state=status["state"], serving=serving, target=target,
+            attempts=status.get("attempt") or 0, since_unix_s=_unix_s(status.get("since")),
+            done_bytes=progress.get("received_bytes") if downloading else None,
+            total_bytes=progress.get("total_bytes") if downloading else None,
+            error=error).to_json()
+        # The updater's own account, for `update status --json` and the fleet side.
+        result["updater"] = status
+        return result
+
+
+def _forward(event: dict[str, Any]) -> dict[str, Any] | None:
+    """An updater event as the control channel's event, None for those it does not carry."""
+    kind = event.get("event")
+    if kind == "state":
+        return protocol.StateEvent(state=event["to"], previous=event.get("from"),
+                                   message=event.get("detail") or event.get("reason")).to_json()
+    if kind == "progress" and "received_bytes" in event:
+        return protocol.ProgressEvent(done_bytes=int(event["received_bytes"]),
+                                      total_bytes=event.get("total_bytes")).to_json()
+    return None
+
+
+def _unix_s(text: Any) -> float | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None

@@ -1,0 +1,461 @@
+"""The updater's steps on a running daemon: what each state of an update does (agent/update/
+updater.py drives them, journals them and bounds each by its deadline).
+
+=================  ==============================================================================
+state              work
+=================  ==============================================================================
+downloading        the source (a path, ``file://``, ``http(s)://``) into ``<state_dir>/downloads``,
+                   resumable (agent/update/download.py)
+verifying          the bundle's signature, every hash and the agent version it needs
+                   (``open_bundle``); then that it is the model this daemon serves, with the same
+                   inputs and outputs, and newer than the version serving (anti-rollback)
+staged             installed into the store beside the current version, not current
+building-engine    the new version's instances created and activated (a TensorRT engine is built
+                   here, or found in the cache) on a thread of lower CPU priority
+warming            warm-up batches on that thread; a NaN or Inf on them fails the update
+canary             the old version's batches shadowed on the new one (agent/update/canary.py)
+committed          the store's pointer switched, new batches sent to the new instances, the old
+                   ones drained (at most ``drain_timeout_s``) and freed; then the watch window
+rolling-back       after a commit, the version before it is loaded again, swapped back and made
+                   current; before, the candidate's instances are freed
+=================  ==============================================================================
+
+Nothing here blocks the event loop: the store, the backends and the bundle checks run on the
+candidate's low-priority thread (agent/update/priority.py) or the loop's default executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from agent import __version__, runtime
+from agent.backends import ModelArtifacts, backend_class, resolve_backend_name
+from agent.backends.base import Backend
+from agent.batcher import BatchPolicy
+from agent.errors import AgentError, BundleError, SignatureError, StoreError, UpdateError
+from agent.update.canary import CanaryPolicy, HealthWatch, ShadowCanary
+from agent.update.download import DownloadPolicy, discard_partial, download
+from agent.update.journal import BundleId
+from agent.update.priority import LowPriority
+from agent.update.updater import UpdateJob, Verdict
+from models.bundle import open_bundle
+
+if TYPE_CHECKING:
+    from agent.daemon import Daemon
+    from agent.serving import ModelService
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DOWNLOADS_DIR = "downloads"
+
+
+@dataclass
+class _Loaded:
+    """A version's instances, loaded beside the serving ones (or serving, once committed)."""
+
+    update_id: str
+    artifacts: ModelArtifacts
+    policy: BatchPolicy
+    backends: list[Backend]
+    worker: LowPriority
+
+    @property
+    def version(self) -> int:
+        return self.artifacts.version
+
+    def free(self) -> None:
+        """Deactivate every instance (a worker thread, never the loop)."""
+        for backend in self.backends:
+            try:
+                backend.deactivate()
+            except Exception:  # noqa: BLE001 - free the others whatever one does
+                log.exception("could not free an instance of %s v%d", self.artifacts.name,
+                              self.version)
+        self.backends = []
+
+
+class DaemonSteps:
+    """:class:`~agent.update.updater.UpdateSteps` for a :class:`~agent.daemon.Daemon` serving one
+    model.
+
+    Args:
+        daemon: The running daemon (its store, configuration and service).
+        canary: The canary's and the watch window's gates.
+        download: Retry, deadline and size bounds of downloads.
+        drain_timeout_s: How long the old instances may take to finish their batches at a swap.
+    """
+
+    def __init__(self, daemon: Daemon, *, canary: CanaryPolicy | None = None,
+                 download: DownloadPolicy | None = None, drain_timeout_s: float = 30.0) -> None:
+        self.daemon = daemon
+        self.canary_policy = canary or CanaryPolicy()
+        self.download_policy = download or DownloadPolicy()
+        self.drain_timeout_s = drain_timeout_s
+        self.downloads_dir = daemon.config.state_dir / DOWNLOADS_DIR
+        self._candidate: _Loaded | None = None
+        self._old_p95_s: float | None = None  # the old version's, measured during the canary
+        self.swap_seconds: list[float] = []
+        self.last_canary: dict[str, Any] | None = None
+
+    # -- what serves ------------------------------------------------------------------------
+
+    @property
+    def service(self) -> ModelService:
+        services = self.daemon.services
+        if len(services) != 1:
+            raise UpdateError("the daemon serves no model yet", reason="not_serving")
+        return next(iter(services.values()))
+
+    async def serving(self) -> BundleId | None:
+        if not self.daemon.services:
+            return None
+        service = self.service
+        return BundleId(name=service.name, version=service.version)
+
+    # -- download and verification -----------------------------------------------------------
+
+    def _destination(self, source: str) -> Path:
+        digest = hashlib.sha256(source.encode()).hexdigest()[:24]
+        return self.downloads_dir / f"{digest}.bundle"
+
+    async def download(self, job: UpdateJob) -> None:
+        self.downloads_dir.mkdir(parents=True, exist_ok=True)
+        destination = self._destination(job.source)
+
+        def progress(update: Any) -> None:
+            job.progress(received_bytes=update.received_bytes, total_bytes=update.total_bytes,
+                         bytes_per_s=round(update.bytes_per_s))
+
+        result = await download(job.source, destination, policy=self.download_policy,
+                                expected_sha256=job.expected.sha256, on_progress=progress)
+        job.notes["bundle_path"] = result.path
+        job.notes["sha256"] = result.sha256
+
+    async def verify(self, job: UpdateJob) -> BundleId:
+        path = Path(job.notes.get("bundle_path") or self._destination(job.source))
+        if not path.is_file():
+            raise UpdateError("the downloaded bundle is gone", reason="not_downloaded",
+                              path=path)
+        loop = asyncio.get_running_loop()
+        sha256 = job.notes.get("sha256") or await loop.run_in_executor(None, _file_sha256, path)
+        keys = self.daemon.config.trust.keys
+        try:
+            bundle = await loop.run_in_executor(
+                None, lambda: open_bundle(path, keys, agent_version=__version__))
+        except SignatureError as exc:
+            raise UpdateError(f"the bundle's signature is not trusted: {exc.message}",
+                              reason="bad_signature", **_facts(exc)) from exc
+        except BundleError as exc:
+            raise UpdateError(f"the bundle is refused: {exc.message}", reason="bad_bundle",
+                              **_facts(exc)) from exc
+        manifest = bundle.manifest
+        name, version = manifest["name"], manifest["version"]
+        service = self.service
+        if name != service.name:
+            raise UpdateError("the bundle is of another model than the one this daemon serves",
+                              reason="wrong_model", bundle=name, serving=service.name)
+        if version < service.version:
+            raise UpdateError("the bundle is older than the version serving (anti-rollback; "
+                              "'edge-agent update rollback' returns to the previous version)",
+                              reason="downgrade", bundle_version=version,
+                              serving_version=service.version)
+        _check_interface(manifest, service)
+        return BundleId(name=name, version=version, sha256=sha256)
+
+    # -- staging and loading -----------------------------------------------------------------
+
+    async def stage(self, job: UpdateJob) -> None:
+        path = Path(job.notes.get("bundle_path") or self._destination(job.source))
+        store = self.daemon.store
+        loop = asyncio.get_running_loop()
+        try:
+            artifacts = await loop.run_in_executor(None, store.install, path)
+        except (StoreError, BundleError) as exc:
+            raise UpdateError(f"the bundle could not be installed: {exc.message}",
+                              reason="install_failed", **_facts(exc)) from exc
+        job.notes["artifacts"] = artifacts
+
+    async def _artifacts(self, job: UpdateJob) -> ModelArtifacts:
+        artifacts = job.notes.get("artifacts")
+        if artifacts is not None:
+            return artifacts  # type: ignore[no-any-return]
+        name, version = _require_bundle_ref(job)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.daemon.store.load, name, version)
+
+    async def build_engine(self, job: UpdateJob) -> None:
+        artifacts = await self._artifacts(job)
+        self._discard_candidate()
+        config = self.daemon.config
+        policy = runtime.batch_policy(config, artifacts)
+        worker = LowPriority(f"update-v{artifacts.version}")
+        loaded = _Loaded(job.update_id, artifacts, policy, [], worker)
+        self._candidate = loaded
+        stop = _StopFlag()
+
+        def create() -> None:
+            cls = backend_class(resolve_backend_name(config.serving.backend))
+            options = runtime.backend_options(config, policy.max_batch_size, stop.is_set)
+            for _ in range(config.serving.instances):
+                if stop.is_set():
+                    return
+                backend = cls(artifacts, options)
+                backend.activate()
+                loaded.backends.append(backend)
+
+        await _run_on(worker, create, stop)
+        job.progress(instances=len(loaded.backends))
+
+    async def warm(self, job: UpdateJob) -> None:
+        loaded = self._require_candidate(job)
+        config = self.daemon.config
+        stop = _StopFlag()
+        batch = (loaded.policy.preferred_batch_sizes[-1] if loaded.policy.preferred_batch_sizes
+                 else 1)
+
+        def warm_all() -> None:
+            for backend in loaded.backends:
+                runtime.warm_up(backend, loaded.artifacts, max(1, config.serving.warmup_batches),
+                                batch, stop.is_set)
+                shapes = runtime.warmup_shape(loaded.artifacts, backend)
+                if shapes is None:
+                    continue
+                inputs = {info.name: np.zeros((batch, *shapes[info.name]), dtype=info.dtype)
+                          for info in backend.inputs}
+                outputs = backend.infer(inputs)
+                bad = [name for name, value in outputs.items()
+                       if value.dtype.kind == "f" and not np.isfinite(value).all()]
+                if bad:
+                    raise UpdateError("the new version gives NaN or Inf on its warm-up batch",
+                                      reason="non_finite", outputs=", ".join(bad))
+
+        await _run_on(loaded.worker, warm_all, stop)
+
+    # -- canary, commit, watch ---------------------------------------------------------------
+
+    async def canary(self, job: UpdateJob) -> Verdict:
+        loaded = self._require_candidate(job)
+        service = self.service
+        canary = ShadowCanary(loaded.backends, loaded.worker, self.canary_policy,
+                              old_version=service.version)
+        unsubscribe = service.observers.subscribe(canary.old_latency)
+        service.batcher.set_tap(canary.tap)
+        try:
+            verdict = await canary.run()
+        finally:
+            service.batcher.set_tap(None)
+            unsubscribe()
+        self._old_p95_s = canary.old_latency.p95_s()
+        self.last_canary = verdict.to_json()
+        job.progress(canary=verdict.to_json())
+        log.info("canary of %s v%d: %s", loaded.artifacts.name, loaded.version,
+                 verdict.describe())
+        return Verdict(healthy=verdict.passed, reason=None if verdict.passed else verdict.reason,
+                       detail=verdict.describe())
+
+    async def commit(self, job: UpdateJob) -> None:
+        loaded = self._require_candidate(job)
+        loop = asyncio.get_running_loop()
+        store = self.daemon.store
+        await loop.run_in_executor(None, store.activate, loaded.artifacts.name, loaded.version)
+        started = time.perf_counter()
+        old = await self.service.swap(loaded.version, loaded.backends, loaded.policy,
+                                      drain_timeout_s=self.drain_timeout_s)
+        swap_s = time.perf_counter() - started
+        self.swap_seconds.append(swap_s)
+        self._candidate = None
+        restored = loaded.worker.restore()
+        await loop.run_in_executor(None, _free, old)
+        log.info("%s v%d serves (swap %.3f s; %d old instance(s) freed, %d thread(s) back to "
+                 "the daemon's priority)", loaded.artifacts.name, loaded.version, swap_s,
+                 len(old), restored)
+        job.progress(swap_s=round(swap_s, 4))
+        with contextlib.suppress(StoreError):
+            await loop.run_in_executor(None, store.garbage_collect)
+
+    async def watch(self, job: UpdateJob) -> Verdict:
+        service = self.service
+        bundle = _require_bundle(job)
+        watch = HealthWatch(bundle.version or service.version, self.canary_policy,
+                            old_p95_s=self._old_p95_s)
+        unsubscribe = service.observers.subscribe(watch)
+        service.batcher.set_tap(watch.tap)
+        try:
+            verdict = await watch.run(until_regression=True)
+        finally:
+            service.batcher.set_tap(None)
+            unsubscribe()
+        return Verdict(healthy=verdict.passed, reason=None if verdict.passed else verdict.reason,
+                       detail=verdict.describe())
+
+    # -- undoing -----------------------------------------------------------------------------
+
+    async def discard(self, job: UpdateJob) -> None:
+        candidate = self._candidate
+        self._candidate = None
+        if candidate is not None:
+            await asyncio.get_running_loop().run_in_executor(None, candidate.free)
+            candidate.worker.close()
+        if job.source:
+            destination = self._destination(job.source)
+            discard_partial(destination)
+            destination.unlink(missing_ok=True)
+
+    async def revert(self, job: UpdateJob) -> None:
+        await self.discard(job)
+        bundle = _require_bundle(job)
+        service = self.service
+        loop = asyncio.get_running_loop()
+        store = self.daemon.store
+        if service.version != bundle.version:
+            # Not serving (any more): only the pointer may still name it.
+            current = await loop.run_in_executor(None, store.current)
+            if current is not None and current.version == bundle.version:
+                await loop.run_in_executor(None, store.rollback)
+            return
+        previous = await loop.run_in_executor(None, store.previous)
+        if previous is None:
+            raise UpdateError("there is no previous version to return to",
+                              reason="nothing_to_roll_back", serving=str(bundle))
+        artifacts = await loop.run_in_executor(None, store.load, previous.name, previous.version)
+        config = self.daemon.config
+        policy = runtime.batch_policy(config, artifacts)
+        worker = LowPriority(f"rollback-v{artifacts.version}")
+        stop = _StopFlag()
+        loaded: list[Backend] = []
+
+        def start() -> None:
+            loaded.extend(runtime.start_backends(config, artifacts, policy, stop.is_set))
+
+        try:
+            await _run_on(worker, start, stop)
+        except BaseException:
+            await loop.run_in_executor(None, _free, loaded)
+            worker.close()
+            raise
+        old = await service.swap(artifacts.version, loaded, policy,
+                                 drain_timeout_s=self.drain_timeout_s)
+        worker.restore()
+        await loop.run_in_executor(None, store.rollback)
+        await loop.run_in_executor(None, _free, old)
+        log.warning("rolled back from %s to %s v%d", bundle, artifacts.name, artifacts.version)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _require_candidate(self, job: UpdateJob) -> _Loaded:
+        candidate = self._candidate
+        if candidate is None or candidate.update_id != job.update_id:
+            raise UpdateError("the new version's instances are not loaded (the daemon restarted "
+                              "since?)", reason="not_loaded")
+        return candidate
+
+    def _discard_candidate(self) -> None:
+        candidate = self._candidate
+        self._candidate = None
+        if candidate is not None:
+            candidate.free()
+            candidate.worker.close()
+
+    async def close(self) -> None:
+        """Free a candidate left loaded (a daemon stopping mid-update)."""
+        candidate = self._candidate
+        self._candidate = None
+        if candidate is not None:
+            await asyncio.get_running_loop().run_in_executor(None, candidate.free)
+            candidate.worker.close()
+
+
+class _StopFlag:
+    """Set when the step awaiting the work is cancelled: the work checks it between pieces
+    (instances, warm-up batches, a TensorRT build's phases) and ends."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+async def _run_on(worker: LowPriority, work: Callable[[], T], stop: _StopFlag) -> T:
+    """``work`` on the low-priority thread; a cancellation sets ``stop`` and waits for the work
+    to notice, so nothing it made is left half-built behind the caller's back."""
+    future = asyncio.get_running_loop().run_in_executor(worker.executor, work)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        stop.set()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await future
+        raise
+
+
+def _free(backends: list[Backend]) -> None:
+    for backend in backends:
+        try:
+            backend.deactivate()
+        except Exception:  # noqa: BLE001
+            log.exception("could not free an old instance")
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _facts(exc: AgentError) -> dict[str, Any]:
+    """An error's facts for the UpdateError that reports it (its own ``reason`` renamed, since
+    the update's reason is the code)."""
+    facts = dict(exc.fields)
+    if "reason" in facts:
+        facts["cause"] = facts.pop("reason")
+    return facts
+
+
+def _require_bundle(job: UpdateJob) -> BundleId:
+    bundle = job.bundle
+    if bundle is None or bundle.name is None or bundle.version is None:
+        raise UpdateError("the update has no verified bundle", reason="not_verified")
+    return bundle
+
+
+def _require_bundle_ref(job: UpdateJob) -> tuple[str, int]:
+    bundle = _require_bundle(job)
+    assert bundle.name is not None and bundle.version is not None  # checked just above
+    return bundle.name, bundle.version
+
+
+def _check_interface(manifest: dict[str, Any], service: ModelService) -> None:
+    """The new version must take and give what clients of the old one send and read: the same
+    input and output names and data types (shapes may differ in their dynamic axes)."""
+    def described(entries: Any) -> dict[str, str]:
+        return {entry["name"]: str(entry["dtype"]) for entry in entries or ()}
+
+    for role, new, old in (("inputs", described(manifest.get("inputs")), service.inputs),
+                           ("outputs", described(manifest.get("outputs")), service.outputs)):
+        served = {info.name: np.dtype(info.dtype).name for info in old}
+        wanted = {name: np.dtype(dtype).name for name, dtype in new.items()}
+        if served != wanted:
+            raise UpdateError(f"the new version's {role} differ from the serving version's: a "
+                              "hot swap would break its clients", reason="incompatible",
+                              serving=str(served), bundle=str(wanted))
+
+
+__all__ = ["DOWNLOADS_DIR", "DaemonSteps"]

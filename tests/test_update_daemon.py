@@ -1,0 +1,290 @@
+"""Updates on a running daemon, end to end: `update.apply` over the control socket while clients
+are served, the canary and the watch window catching bundles that misbehave, the refusals of
+bundles that must never be applied, and the served version following the swap everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.config import load_config
+from agent.control.client import CommandError, ControlClient
+from agent.control.protocol import SOCKET_NAME, UPDATE_APPLY, UPDATE_ROLLBACK, UPDATE_STATUS
+from agent.daemon import Daemon
+from agent.run import run_foreground
+from agent.update.canary import CanaryPolicy
+from agent.update.states import UpdatePolicy
+from models.signing import generate_private_key, load_private_key, write_keypair
+from tests.tiny_models import make_bundle
+
+pytest.importorskip("onnxruntime")
+
+
+class Clients:
+    """Closed-loop clients sending real requests until stopped; every answer's version and
+    every failure are kept."""
+
+    def __init__(self, port: int, *, count: int = 2, negative: Callable[[], bool] = lambda: False
+                 ) -> None:
+        self.port = port
+        self.versions: list[str] = []
+        self.failures: list[str] = []
+        self.negative = negative
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(seed,), daemon=True)
+                         for seed in range(count)]
+
+    def _loop(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while not self._stop.is_set():
+            images = np.abs(rng.normal(size=(1, 3, 16, 16))).astype(np.float32)
+            if self.negative():
+                images = -images
+            body = json.dumps({"inputs": [{"name": "input", "shape": list(images.shape),
+                                           "datatype": "FP32",
+                                           "data": images.ravel().tolist()}]}).encode()
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{self.port}/v2/models/tiny/infer", data=body,
+                headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    self.versions.append(json.loads(response.read())["model_version"])
+            except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                self.failures.append(repr(exc))
+
+    async def __aenter__(self) -> Clients:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # Joined off the loop: the daemon answering their last requests runs on it.
+        self._stop.set()
+        for thread in self._threads:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, 30)
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> dict[str, Any]:
+    key_path = tmp_path / "keys" / "fleet.key"
+    key_path.parent.mkdir()
+    write_keypair(key_path)
+    key = load_private_key(key_path)
+    bundle, _ = make_bundle(tmp_path, key=key)
+    config = load_config(None, env={}, overrides={
+        "state_dir": tmp_path / "state", "http.port": 0, "serving.backend": "onnxruntime",
+        "trust.public_keys": [Path(str(key_path) + ".pub")]})
+    installer = Daemon(config)
+    installer.make_current(installer.install(bundle))
+    installer.close()
+    return {"config": config, "key": key, "dir": tmp_path}
+
+
+def _daemon(setup: dict[str, Any], **canary: Any) -> Daemon:
+    policy = {"duration_s": 5.0, "min_samples": 16, "watch_s": 600.0,
+              "watch_min_requests": 20, **canary}
+    return Daemon(setup["config"], canary_policy=CanaryPolicy(**policy),
+                  update_policy=UpdatePolicy(watch_window_s=1.5))
+
+
+def _call(daemon: Daemon, command: str, args: dict[str, Any] | None = None,
+          events: list[dict[str, Any]] | None = None) -> Any:
+    client = ControlClient(daemon.config.state_dir / SOCKET_NAME)
+    return client.call(command, args or {}, on_event=events.append if events is not None
+                       else None, timeout_s=60)
+
+
+async def _in_thread(function: Callable[..., Any], *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read()  # type: ignore[no-any-return]
+
+
+def _url(path: Path) -> str:
+    return path.resolve().as_uri()
+
+
+async def _until_idle(daemon: Daemon, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The updater's status once it rests (the watch window over)."""
+    assert daemon.updater is not None
+    deadline = time.monotonic() + timeout_s
+    while daemon.updater.state.value not in ("idle", "failed"):
+        assert time.monotonic() < deadline, daemon.updater.status()
+        await asyncio.sleep(0.05)
+    return daemon.updater.status()
+
+
+def test_an_update_swaps_while_clients_are_served_and_every_answer_names_its_version(
+        setup: dict[str, Any]) -> None:
+    bundle, _ = make_bundle(setup["dir"], version=2, key=setup["key"])
+    daemon = _daemon(setup)
+
+    async def session(port: int) -> dict[str, Any]:
+        async with Clients(port) as clients:
+            await asyncio.sleep(0.3)
+            events: list[dict[str, Any]] = []
+            result = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(bundle)},
+                                      events)
+            await asyncio.sleep(0.3)
+            status = await _until_idle(daemon)
+        metrics = (await _in_thread(_get, f"http://127.0.0.1:{port}/metrics")).decode()
+        model = json.loads(await _in_thread(_get, f"http://127.0.0.1:{port}/v2/models/tiny"))
+        return {"result": result, "events": events, "clients": clients, "status": status,
+                "metrics": metrics, "model": model}
+
+    out = run_foreground(daemon, session=session)
+    clients = out["clients"]
+    assert out["result"]["state"] == "committed"
+    assert out["result"]["serving"] == {"name": "tiny", "version": 2}
+    states = [event["state"] for event in out["events"] if event["kind"] == "state"]
+    assert states[:7] == ["downloading", "verifying", "staged", "building-engine", "warming",
+                          "canary", "committed"]
+    assert clients.failures == []
+    assert clients.versions[0] == "1" and clients.versions[-1] == "2"
+    # Once an answer came from v2, no later one came from v1: the swap is one switch.
+    first_new = clients.versions.index("2")
+    assert set(clients.versions[first_new:]) == {"2"}
+    assert out["status"]["last_outcome"]["result"] == "committed"
+    assert 'edge_agent_model_version{model="tiny"} 2.0' in out["metrics"]
+    assert out["model"]["versions"] == ["2"]
+    canary = out["status"]["counters"]["canary_verdicts"]
+    assert canary["healthy"] == 1
+    store = Daemon(setup["config"]).store.open()
+    try:
+        assert store.current().version == 2 and store.previous().version == 1
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(("fault", "seed", "reason"), [
+    ("nan", 0, "non_finite"),  # NaN on every input: its warm-up finds it before any canary
+    (None, 7, "disagreement"),  # other weights: other classes than the serving version's
+    ("slow", 0, "slow"),
+])
+def test_a_bundle_that_misbehaves_is_caught_before_commit_and_the_old_version_serves_on(
+        setup: dict[str, Any], fault: str | None, seed: int, reason: str) -> None:
+    bundle, _ = make_bundle(setup["dir"], version=2, key=setup["key"], fault=fault, seed=seed)
+    daemon = _daemon(setup, max_latency_ratio=4.0)
+
+    async def session(port: int) -> dict[str, Any]:
+        async with Clients(port) as clients:
+            await asyncio.sleep(0.3)
+            result = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(bundle)})
+            status = await _until_idle(daemon)
+        return {"result": result, "clients": clients, "status": status}
+
+    out = run_foreground(daemon, session=session)
+    assert out["result"]["state"] == "failed"
+    assert out["result"]["error"]["reason"] == reason, out["result"]
+    assert out["result"]["serving"] == {"name": "tiny", "version": 1}
+    assert out["clients"].failures == []
+    assert set(out["clients"].versions) == {"1"}
+
+
+def test_a_regression_after_commit_is_rolled_back_by_the_watch_window(
+        setup: dict[str, Any]) -> None:
+    bundle, _ = make_bundle(setup["dir"], version=2, key=setup["key"], fault="nan_on_negative")
+    daemon = Daemon(setup["config"],
+                    canary_policy=CanaryPolicy(duration_s=5.0, min_samples=16,
+                                               watch_min_requests=20),
+                    update_policy=UpdatePolicy(watch_window_s=60.0))
+    negative = threading.Event()
+
+    async def session(port: int) -> dict[str, Any]:
+        async with Clients(port, negative=negative.is_set) as clients:
+            await asyncio.sleep(0.3)
+            result = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(bundle)})
+            negative.set()  # the inputs change after commit: v2 answers NaN
+            status = await _until_idle(daemon)
+            await asyncio.sleep(0.3)
+        return {"result": result, "clients": clients, "status": status,
+                "version": daemon.services["tiny"].version}
+
+    out = run_foreground(daemon, session=session)
+    assert out["result"]["state"] == "committed"
+    assert out["version"] == 1
+    outcome = out["status"]["last_outcome"]
+    assert outcome["result"] == "failed" and outcome["reason"] == "non_finite", outcome
+    assert out["clients"].versions[-1] == "1"
+
+
+def test_bundles_that_must_never_apply_are_refused_with_their_reason(
+        setup: dict[str, Any]) -> None:
+    directory: Path = setup["dir"]
+    stranger, _ = make_bundle(directory / "stranger", version=2, key=generate_private_key())
+    other_model, _ = make_bundle(directory, name="other", version=2, key=setup["key"])
+    same, _ = make_bundle(directory / "again", version=1, key=setup["key"])
+    truncated = directory / "truncated.bundle"
+    good, _ = make_bundle(directory, version=3, key=setup["key"])
+    truncated.write_bytes(good.read_bytes()[:2000])
+    daemon = _daemon(setup)
+
+    async def session(port: int) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for label, source in (("stranger", _url(stranger)), ("other", _url(other_model)),
+                              ("truncated", _url(truncated)),
+                              ("missing", _url(directory / "nowhere.bundle"))):
+            result = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": source})
+            found[label] = result["error"]["reason"] if result["error"] else result["state"]
+        found["same"] = (await _in_thread(_call, daemon, UPDATE_APPLY,
+                                          {"source": _url(same)}))["state"]
+        found["version"] = daemon.services["tiny"].version
+        return found
+
+    found = run_foreground(daemon, session=session)
+    assert found == {"stranger": "bad_signature", "other": "wrong_model",
+                     "truncated": "bad_bundle", "missing": "not_found", "same": "idle",
+                     "version": 1}
+
+
+def test_a_downgrade_is_refused_and_a_rollback_returns_to_the_previous_version(
+        setup: dict[str, Any]) -> None:
+    directory: Path = setup["dir"]
+    v2, _ = make_bundle(directory, version=2, key=setup["key"])
+    v1_again, _ = make_bundle(directory / "old", version=1, key=setup["key"])
+    daemon = _daemon(setup)
+
+    async def session(port: int) -> dict[str, Any]:
+        async with Clients(port) as clients:
+            await asyncio.sleep(0.2)
+            applied = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v2)})
+            await _until_idle(daemon)
+            downgrade = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v1_again)})
+            rolled = await _in_thread(_call, daemon, UPDATE_ROLLBACK)
+            status = await _in_thread(_call, daemon, UPDATE_STATUS)
+            await asyncio.sleep(0.2)
+        return {"applied": applied, "downgrade": downgrade, "rolled": rolled,
+                "status": status, "clients": clients}
+
+    out = run_foreground(daemon, session=session)
+    assert out["applied"]["serving"]["version"] == 2
+    assert out["downgrade"]["error"]["reason"] == "downgrade"
+    assert out["rolled"]["serving"] == {"name": "tiny", "version": 1}
+    assert out["status"]["serving"]["version"] == 1
+    assert out["clients"].failures == []
+    assert out["clients"].versions[-1] == "1"
+
+
+def test_an_apply_needs_a_url_the_updater_can_fetch(setup: dict[str, Any]) -> None:
+    daemon = _daemon(setup)
+
+    async def session(port: int) -> str:
+        try:
+            await _in_thread(_call, daemon, UPDATE_APPLY, {"source": "ftp://host/b.bundle"})
+        except CommandError as exc:
+            return str(exc)
+        return "accepted"
+
+    assert "http, https or file URL" in run_foreground(daemon, session=session)
