@@ -697,3 +697,17 @@ def test_an_empty_state_dir_flag_is_refused_not_taken_for_the_working_directory(
 
     assert main(["serve", "--state-dir", "", "--print-config"]) == 1
     assert "'state_dir'" in capsys.readouterr().err
+
+
+def test_update_settings_are_numbers_with_bounds(tmp_path: Path) -> None:
+    config = load_text(tmp_path, "[update]\ncanary_s = 5\nwatch_window_s = 1.5\n")
+    assert config.update.canary_s == 5.0 and isinstance(config.update.canary_s, float)
+    assert config.update.watch_window_s == 1.5
+    assert load_config(env={"EDGE_AGENT_UPDATE_CANARY_MIN_AGREEMENT": "0.75"}
+                       ).update.canary_min_agreement == 0.75
+    with pytest.raises(ConfigError, match=r"update\.canary_min_agreement.*a number in 0\.\.1"):
+        load_text(tmp_path, "[update]\ncanary_min_agreement = 1.5\n")
+    with pytest.raises(ConfigError, match=r"update\.canary_s"):
+        load_text(tmp_path, '[update]\ncanary_s = "soon"\n')
+    with pytest.raises(ConfigError, match="EDGE_AGENT_UPDATE_WATCH_WINDOW_S"):
+        load_config(env={"EDGE_AGENT_UPDATE_WATCH_WINDOW_S": "nan"})

@@ -10,6 +10,7 @@ wrong form; the loader turns that into a :class:`~agent.errors.ConfigError` nami
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,25 @@ def _int_from_text(text: str) -> int:
     return int(text.strip(), 10)
 
 
+def _is_number(value: Any) -> bool:
+    """An int or float that is finite (a bool is not a number here)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _float_from_toml(value: Any) -> float:
+    if not _is_number(value):
+        raise ValueError
+    return float(value)
+
+
+def _float_from_text(text: str) -> float:
+    value = float(text.strip())
+    if not math.isfinite(value):
+        raise ValueError
+    return value
+
+
 def _path_from_any(value: Any) -> Path:
     if isinstance(value, Path):
         return value
@@ -92,6 +112,14 @@ KINDS: dict[Any, Kind] = {
         accepts=_is_int,
         from_toml=_require(_is_int),
         from_text=_int_from_text,
+        plain=lambda value: value,
+    ),
+    float: Kind(
+        expected="a number",
+        expected_text="a number",
+        accepts=lambda value: isinstance(value, float) and math.isfinite(value),
+        from_toml=_float_from_toml,
+        from_text=_float_from_text,
         plain=lambda value: value,
     ),
     bool: Kind(

@@ -57,8 +57,8 @@ LOADED = "loaded_at_start"  # field metadata: filled in by load_config, not a co
 
 def bounds(
     *,
-    minimum: int | None = None,
-    maximum: int | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
     choices: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Field metadata that ``Section`` checks: integer bounds or the allowed strings."""
@@ -98,15 +98,16 @@ def _check_bounds(key: str, value: Any, metadata: Mapping[str, Any]) -> None:
     if choices is not None and value not in choices:
         raise invalid(key, "one of " + ", ".join(f'"{choice}"' for choice in choices), value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise invalid(key, _integer_range(minimum, maximum), value)
+        noun = "a number" if isinstance(value, float) else "an integer"
+        raise invalid(key, _range_text(noun, minimum, maximum), value)
 
 
-def _integer_range(minimum: int | None, maximum: int | None) -> str:
+def _range_text(noun: str, minimum: float | None, maximum: float | None) -> str:
     if minimum is not None and maximum is not None:
-        return f"an integer in {minimum}..{maximum}"
+        return f"{noun} in {minimum:g}..{maximum:g}"
     if minimum is not None:
-        return f"an integer >= {minimum}"
-    return f"an integer <= {maximum}"
+        return f"{noun} >= {minimum:g}"
+    return f"{noun} <= {maximum:g}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,6 +242,38 @@ class StoreConfig(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class UpdateConfig(Section):
+    """``[update]``: how the daemon applies a new model version (design section 6): downloads,
+    the canary before commit, the watch window after it, and each state's deadline."""
+
+    section: ClassVar[str] = "update"
+
+    # Downloads: the whole fetch, retries included, and a server that sends nothing this long.
+    download_deadline_s: float = field(default=3600.0, metadata=bounds(minimum=1))
+    download_stall_timeout_s: float = field(default=30.0, metadata=bounds(minimum=1))
+    max_bundle_mib: int = field(default=4096, metadata=bounds(minimum=1))
+    # The canary shadows live requests on the new version for at most canary_s, or until it has
+    # compared canary_min_samples samples.
+    canary_s: float = field(default=30.0, metadata=bounds(minimum=0.1))
+    canary_min_samples: int = field(default=64, metadata=bounds(minimum=1))
+    # Share of shadowed samples whose decisions must agree with the serving version's.
+    canary_min_agreement: float = field(default=0.9, metadata=bounds(minimum=0, maximum=1))
+    # The new version's compute time over the old one's, at most.
+    canary_max_latency_ratio: float = field(default=3.0, metadata=bounds(minimum=1))
+    # Fail an update that saw no traffic to compare (otherwise it commits, and the watch checks).
+    canary_require_traffic: bool = False
+    # After commit: how long the health watch runs, and the failed-request share it tolerates.
+    watch_window_s: float = field(default=600.0, metadata=bounds(minimum=0.1))
+    watch_max_failure_rate: float = field(default=0.05, metadata=bounds(minimum=0, maximum=1))
+    # How long the old instances may take to finish their batches at a swap.
+    drain_timeout_s: float = field(default=30.0, metadata=bounds(minimum=0.1))
+    # A bundle failing this many times (from staging on) is refused until a newer one comes.
+    max_failures: int = field(default=3, metadata=bounds(minimum=1))
+    # Deadline of the engine build (a TensorRT build on a board takes minutes).
+    building_engine_s: float = field(default=1800.0, metadata=bounds(minimum=1))
+
+
+@dataclass(frozen=True, kw_only=True)
 class LogConfig(Section):
     """``[log]``."""
 
@@ -269,6 +302,7 @@ class AgentConfig(Section):
     tensorrt: TensorRTConfig = field(default_factory=TensorRTConfig)
     trust: TrustConfig = field(default_factory=TrustConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def _check(self) -> None:

@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from agent.control import protocol
+from agent.config import UpdateConfig
 from agent.control.server import Emit
 from agent.errors import UpdateError
 from agent.update.canary import CanaryPolicy
@@ -32,13 +33,38 @@ _SETTLED = frozenset({UpdateState.IDLE.value, UpdateState.FAILED.value,
                       UpdateState.COMMITTED.value})
 
 
+def policies(config: UpdateConfig) -> tuple[UpdatePolicy, CanaryPolicy, DownloadPolicy]:
+    """The updater's deadlines, the canary's gates and the download bounds from ``[update]``.
+    A state's deadline leaves room beyond the work it bounds: the canary's beyond its
+    duration, the download state's beyond the download's own deadline."""
+    return (
+        UpdatePolicy(downloading_s=config.download_deadline_s + 60.0,
+                     building_engine_s=config.building_engine_s,
+                     canary_s=2 * config.canary_s + 60.0,
+                     watch_window_s=config.watch_window_s,
+                     max_failures=config.max_failures),
+        CanaryPolicy(duration_s=config.canary_s, min_samples=config.canary_min_samples,
+                     min_agreement=config.canary_min_agreement,
+                     max_latency_ratio=config.canary_max_latency_ratio,
+                     require_traffic=config.canary_require_traffic,
+                     watch_s=config.watch_window_s,
+                     watch_max_failure_rate=config.watch_max_failure_rate),
+        DownloadPolicy(deadline_s=config.download_deadline_s,
+                       stall_timeout_s=config.download_stall_timeout_s,
+                       max_bytes=config.max_bundle_mib << 20),
+    )
+
+
 def attach_updater(daemon: Daemon, *, policy: UpdatePolicy | None = None,
                    canary: CanaryPolicy | None = None,
-                   download: DownloadPolicy | None = None,
-                   drain_timeout_s: float = 30.0) -> Updater:
-    """Give ``daemon`` an updater: a background task and the ``update.*`` commands."""
-    steps = DaemonSteps(daemon, canary=canary, download=download,
-                        drain_timeout_s=drain_timeout_s)
+                   download: DownloadPolicy | None = None) -> Updater:
+    """Give ``daemon`` an updater: a background task and the ``update.*`` commands. The
+    policies not given come from the configuration's ``[update]``."""
+    configured = policies(daemon.config.update)
+    policy = policy or configured[0]
+    steps = DaemonSteps(daemon, canary=canary or configured[1],
+                        download=download or configured[2],
+                        drain_timeout_s=daemon.config.update.drain_timeout_s)
     updater = Updater(state_dir=daemon.config.state_dir, steps=steps, policy=policy)
     commands = UpdateCommands(daemon, updater, steps)
 
