@@ -41,14 +41,14 @@ from agent.errors import (
     StopRequested,
     StoreError,
 )
-from agent.metrics import ServingMetrics, TaskMetrics
+from agent.metrics import ServingMetrics, TaskMetrics, UpdateMetrics
 from agent.serving import ModelService
 from agent.store import ModelStore
 from agent.supervisor import Supervisor, TaskFactory, TaskState, TaskStatus
 from agent.update.canary import CanaryPolicy
 from agent.update.download import DownloadPolicy
 from agent.update.service import attach_updater
-from agent.update.states import UpdatePolicy
+from agent.update.states import UpdatePolicy, UpdateState
 from agent.update.steps import DaemonSteps
 from agent.update.updater import Updater
 
@@ -113,8 +113,11 @@ class Daemon:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.updater: Updater | None = None
         self.update_steps: DaemonSteps | None = None
-        attach_updater(self, policy=update_policy, canary=canary_policy,
-                       download=download_policy)
+        updater = attach_updater(self, policy=update_policy, canary=canary_policy,
+                                 download=download_policy)
+        self.update_metrics: UpdateMetrics | None = UpdateMetrics(
+            updater.status, [state.value for state in UpdateState],
+            lambda: {name: len(service.backends) for name, service in self.services.items()})
 
     # -- parts attached before the start --------------------------------------------------------
 
@@ -210,7 +213,8 @@ class Daemon:
             self.services, host=http.host, port=http.port,
             token=http.token.reveal() if http.token is not None else None,
             max_body_bytes=http.max_body_bytes,
-            metrics_render=lambda: metrics.render() + self.task_metrics.render(),
+            metrics_render=lambda: (metrics.render() + self.task_metrics.render()
+                                    + self._update_metrics_render()),
             shm_root=self.shm_root, access_log=http.access_log)
         service.start()
         try:
@@ -259,6 +263,9 @@ class Daemon:
                              "'edge-agent serve --bundle B --pubkey PUB'",
                              state_dir=self.config.state_dir)
         return self.store.load(current.name, current.version)
+
+    def _update_metrics_render(self) -> bytes:
+        return self.update_metrics.render() if self.update_metrics is not None else b""
 
     def _current_or_previous(self) -> ModelArtifacts | None:
         """The current version; the previous one when the current one no longer verifies (a

@@ -6,6 +6,7 @@ server owns its own registry, so several servers (tests, a blue-green pair) neve
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -15,11 +16,13 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from agent.observers import BatchDone, RequestDone, ServingObserver
 
-__all__ = ["CONTENT_TYPE_LATEST", "ServingMetrics", "TaskMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "ServingMetrics", "TaskMetrics", "UpdateMetrics"]
 
 # Request latencies from 0.5 ms (a tiny model on a GPU) to 10 s (a full queue on a slow CPU).
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
@@ -124,6 +127,68 @@ class TaskMetrics:
         self._up.labels(name).set(1 if running else 0)
         if failed:
             self._failures.labels(name).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class UpdateMetrics(Collector):
+    """The updater's figures, read from its status at each scrape (so they never disagree with
+    ``edge-agent update status``): the state it is in, attempts, failures by reason, swaps and
+    their duration, canary and watch verdicts, rollbacks; and the serving instances per model.
+
+    Args:
+        status: The updater's ``status()`` (its ``state`` and ``counters``).
+        states: Every state the updater has, for the one-hot state gauge.
+        instances: Model name to the number of instances serving it.
+    """
+
+    def __init__(self, status: Callable[[], dict[str, Any]], states: Sequence[str],
+                 instances: Callable[[], dict[str, int]],
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._status = status
+        self._states = tuple(states)
+        self._instances = instances
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Any]:
+        status = self._status()
+        counters = status.get("counters", {})
+        state = GaugeMetricFamily("edge_agent_update_state", "1 for the state the updater is in",
+                                  labels=["state"])
+        for name in self._states:
+            state.add_metric([name], 1.0 if name == status.get("state") else 0.0)
+        yield state
+        yield CounterMetricFamily("edge_agent_update_attempts", "Update runs started (resumed "
+                                  "ones included)", value=counters.get("attempts", 0))
+        failures = CounterMetricFamily("edge_agent_update_failures", "Updates that failed, by "
+                                       "reason", labels=["reason"])
+        for reason, count in sorted(counters.get("failures_by_reason", {}).items()):
+            failures.add_metric([reason], count)
+        yield failures
+        for name, key, text in (
+                ("edge_agent_canary_verdicts", "canary_verdicts", "Canary verdicts"),
+                ("edge_agent_watch_verdicts", "watch_verdicts", "Post-commit watch verdicts")):
+            family = CounterMetricFamily(name, text, labels=["verdict"])
+            for verdict, count in sorted(counters.get(key, {}).items()):
+                family.add_metric([verdict], count)
+            yield family
+        swaps = SummaryMetricFamily("edge_agent_swap_duration_seconds", "Commits of a new "
+                                    "version: switch, drain and free of the old instances")
+        swaps.add_metric([], count_value=counters.get("swaps", 0),
+                         sum_value=counters.get("swap_seconds_total", 0.0))
+        yield swaps
+        yield CounterMetricFamily("edge_agent_rollbacks", "Reverts to a previous version, "
+                                  "automatic or by an operator", value=counters.get("rollbacks", 0))
+        instances = GaugeMetricFamily("edge_agent_instances", "Execution instances serving a "
+                                      "model", labels=["model"])
+        for model, count in sorted(self._instances().items()):
+            instances.add_metric([model], count)
+        yield instances
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())  # collected at scrape time only: nothing to check at registration
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -157,7 +157,14 @@ def test_an_update_swaps_while_clients_are_served_and_every_answer_names_its_ver
     first_new = clients.versions.index("2")
     assert set(clients.versions[first_new:]) == {"2"}
     assert out["status"]["last_outcome"]["result"] == "committed"
-    assert 'edge_agent_model_version{model="tiny"} 2.0' in out["metrics"]
+    metrics = out["metrics"]
+    assert 'edge_agent_model_version{model="tiny"} 2.0' in metrics
+    assert 'edge_agent_update_state{state="idle"} 1.0' in metrics
+    assert 'edge_agent_update_state{state="canary"} 0.0' in metrics
+    assert "edge_agent_swap_duration_seconds_count 1.0" in metrics
+    assert 'edge_agent_canary_verdicts_total{verdict="healthy"} 1.0' in metrics
+    assert "edge_agent_update_attempts_total 1.0" in metrics
+    assert 'edge_agent_instances{model="tiny"} 1.0' in metrics
     assert out["model"]["versions"] == ["2"]
     canary = out["status"]["counters"]["canary_verdicts"]
     assert canary["healthy"] == 1
@@ -183,7 +190,8 @@ def test_a_bundle_that_misbehaves_is_caught_before_commit_and_the_old_version_se
             await asyncio.sleep(0.3)
             result = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(bundle)})
             status = await _until_idle(daemon)
-        return {"result": result, "clients": clients, "status": status}
+        metrics = (await _in_thread(_get, f"http://127.0.0.1:{port}/metrics")).decode()
+        return {"result": result, "clients": clients, "status": status, "metrics": metrics}
 
     out = run_foreground(daemon, session=session)
     assert out["result"]["state"] == "failed"
@@ -191,6 +199,7 @@ def test_a_bundle_that_misbehaves_is_caught_before_commit_and_the_old_version_se
     assert out["result"]["serving"] == {"name": "tiny", "version": 1}
     assert out["clients"].failures == []
     assert set(out["clients"].versions) == {"1"}
+    assert f'edge_agent_update_failures_total{{reason="{reason}"}} 1.0' in out["metrics"]
 
 
 def test_a_regression_after_commit_is_rolled_back_by_the_watch_window(

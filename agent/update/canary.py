@@ -10,7 +10,8 @@ answer goes to the client, the new one is only compared. The verdict (:class:`He
   version did (the class for class scores, cosine >= ``min_cosine`` for other outputs, equal
   values for integers);
 - ``slow``: its compute time per batch over the old version's for the same batches (the lower
-  quartile of the ratios) is above ``max_latency_ratio``. Both are timed where they ran; the shadow runs at low priority
+  quartile of the ratios) is above ``max_latency_ratio``, and it costs over
+  :data:`MIN_SLOWDOWN_S` more a batch. Both are timed where they ran; the shadow runs at low priority
   beside the serving instances, so the ratio errs towards slow and the default bound is loose.
 
 With no traffic in ``duration_s`` there is nothing to compare: the verdict passes as
@@ -41,6 +42,11 @@ from agent.observers import RequestDone, ServingObserver
 from agent.update.priority import LowPriority
 
 log = logging.getLogger(__name__)
+
+
+# A new version is only "slow" when it also costs this much more per batch: a model of tens of
+# microseconds measures its scheduling as much as its work, and three times nothing is nothing.
+MIN_SLOWDOWN_S = 0.001
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,6 +244,7 @@ class ShadowCanary:
         self.skipped = 0
         self.non_finite = False
         self.ratios: list[float] = []
+        self.extra_s: list[float] = []  # the new version's compute time less the old one's
 
     def tap(self, tapped: Tapped) -> None:
         """The batcher's tap (on the loop): queue the batch, or skip it when the shadow lags."""
@@ -283,6 +290,7 @@ class ShadowCanary:
             return
         if tapped.compute_s > 0:
             self.ratios.append(compute_s / tapped.compute_s)
+            self.extra_s.append(compute_s - tapped.compute_s)
         agree, non_finite = samples_agree(old_outputs, new_outputs, batch_axes=axes,
                                           min_cosine=self.policy.min_cosine)
         self.non_finite |= non_finite
@@ -329,7 +337,8 @@ class ShadowCanary:
             return HealthVerdict(not policy.require_traffic, "no_traffic", figures)
         if self.agreeing / self.samples < policy.min_agreement:
             return HealthVerdict(False, "disagreement", figures)
-        if self.ratios and self.latency_ratio() > policy.max_latency_ratio:
+        if (self.ratios and self.latency_ratio() > policy.max_latency_ratio
+                and float(np.percentile(self.extra_s, 25)) > MIN_SLOWDOWN_S):
             return HealthVerdict(False, "slow", figures)
         return HealthVerdict(True, "ok", figures)
 
