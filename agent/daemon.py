@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import runtime
+from agent.autoscale import Autoscaler
 from agent.api.server import InferenceServer
 from agent.backends import ModelArtifacts
 from agent.config import AgentConfig
@@ -115,6 +116,9 @@ class Daemon:
         self.update_steps: DaemonSteps | None = None
         updater = attach_updater(self, policy=update_policy, canary=canary_policy,
                                  download=download_policy)
+        self.autoscaler = Autoscaler(self)
+        if self.autoscaler.enabled:
+            self.add_task("autoscaler", self.autoscaler.run)
         self.update_metrics: UpdateMetrics | None = UpdateMetrics(
             updater.status, [state.value for state in UpdateState],
             lambda: {name: len(service.backends) for name, service in self.services.items()})

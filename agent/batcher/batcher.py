@@ -27,7 +27,7 @@ from agent.batcher.policy import (
     QueueFull,
 )
 from agent.batcher.work import Instance, Ran, Request, run_and_split, stage
-from agent.errors import AgentError, ConfigError, InputError
+from agent.errors import AgentError, ConfigError, InputError, InternalError
 from agent.observers import BatchDone, RequestDone, ServingObserver
 from agent.scattered import DeferredArray
 
@@ -176,6 +176,38 @@ class Batcher:
         # Off the loop: past the drain bound, this waits for the batches still running.
         await asyncio.get_running_loop().run_in_executor(None, _shut_down, old)
         return [instance.backend for instance in old]
+
+    def add_backends(self, backends: Sequence[Backend]) -> None:
+        """Serve with ``backends`` (active, warmed up, of the version serving) too: more
+        instances (the autoscaler's)."""
+        for backend in backends:
+            if backend.artifacts.version != self.version:
+                raise InternalError(f"an instance of v{backend.artifacts.version} cannot join "
+                                    f"the instances of v{self.version}")
+        self._instances = [*self._instances, *(self._wrap(backend) for backend in backends)]
+        self._max_batch_size = min(self.policy.max_batch_size,
+                                   *(instance.backend.max_batch_size
+                                     for instance in self._instances))
+        self._poke()
+
+    async def remove_backends(self, count: int, *,
+                              drain_timeout_s: float | None = None) -> list[Backend]:
+        """Stop sending batches to the last ``count`` instances (at least one stays) and return
+        their backends once drained, for the caller to free."""
+        count = min(count, len(self._instances) - 1)
+        if count <= 0:
+            return []
+        leaving = self._instances[-count:]
+        for instance in leaving:
+            instance.retired = True
+        self._instances = self._instances[:-count]
+        deadline = None if drain_timeout_s is None else time.monotonic() + drain_timeout_s
+        while any(instance.outstanding for instance in leaving):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.002)
+        await asyncio.get_running_loop().run_in_executor(None, _shut_down, leaving)
+        return [instance.backend for instance in leaving]
 
     def set_tap(self, tap: Callable[[Tapped], None] | None) -> None:
         """Hand every batch that ran to ``tap`` (the canary's shadow, the watch window), on

@@ -167,8 +167,21 @@ class ServingConfig(Section):
     # ONNX Runtime's idle threads busy-wait when true: faster alone, slower beside the HTTP loop
     # on a board with few cores.
     cpu_spin: bool = False
+    # Instance autoscaling, between `instances` and `max_instances` (0: off, `instances` only):
+    # one more when the instances stay busier than `scale_up_utilization` over
+    # `scale_window_s`, one fewer when requests stay under `scale_down_rate` a second; none is
+    # added that would leave less than `scale_min_free_mib` of memory available.
+    max_instances: int = field(default=0, metadata=bounds(minimum=0, maximum=64))
+    scale_up_utilization: float = field(default=0.7, metadata=bounds(minimum=0.05, maximum=1))
+    scale_down_rate: float = field(default=5.0, metadata=bounds(minimum=0))
+    scale_window_s: float = field(default=30.0, metadata=bounds(minimum=0.1))
+    scale_min_free_mib: int = field(default=256, metadata=bounds(minimum=0))
 
     def _check(self) -> None:
+        if self.max_instances and self.max_instances < self.instances:
+            raise invalid("serving.max_instances",
+                          f"0 (no autoscaling) or at least serving.instances ({self.instances})",
+                          self.max_instances)
         seen: set[int] = set()
         for size in self.preferred_batch_sizes:
             if not 1 <= size <= self.max_batch_size:
