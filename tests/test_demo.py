@@ -40,6 +40,11 @@ def test_demo_builds_serves_and_reports(tmp_path: Path) -> None:
     assert "same predictions: True" in out
     assert 'edge_agent_requests_total{model="resnet18-digits",outcome="success"}' in out
     assert "daemon stopped cleanly" in out
+    # The second act: the next version applied while the clients go on, none failing.
+    assert "update: canary" in out and "update: committed" in out
+    update = re.search(r"update +committed in [0-9.]+ s; answered by v1: \d+, v2: \d+; "
+                       r"0 failed requests", out)
+    assert update, out
     assert list(tmp_path.glob("resnet18-digits-*.bundle"))
 
 

@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "there is none (needs the host extra), installs it into a fresh store under "
             "OUT/state, starts the daemon on a free loopback port, sends the held-out digits "
             "from concurrent clients and through shared memory, prints predictions, latency and "
-            "metrics, and shuts down cleanly."
+            "metrics; then publishes the bundle again as the next version and applies it over "
+            "the control socket while the clients go on, and shuts down cleanly."
         ),
     )
     demo.add_argument("--out", type=Path, default=Path("out/demo"), metavar="OUT",
@@ -26,6 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="images to send (at most the 360 held-out ones)")
     demo.add_argument("--concurrency", type=_positive, default=8, help="concurrent clients")
     demo.add_argument("--backend", choices=BACKEND_CHOICES, default="auto")
+    demo.add_argument("--no-update", dest="update", action="store_false",
+                      help="skip the second act (a new version applied while serving)")
     demo.set_defaults(handler=run)
 
 
@@ -43,4 +46,5 @@ def run(args: argparse.Namespace) -> int:
     from agent.tooling.demo import DemoOptions, run_demo
 
     return run_demo(DemoOptions(out_dir=args.out, requests=args.requests,
-                                concurrency=args.concurrency, backend=args.backend))
+                                concurrency=args.concurrency, backend=args.backend,
+                                update=args.update))

@@ -3,8 +3,9 @@
 Builds the example bundle when none is there (ResNet-18 on the digits set, pruned and INT8; needs
 the ``host`` extra), installs it into a fresh model store, starts the daemon on a free loopback
 port, sends the held-out digit images as binary KServe v2 requests from concurrent clients (and a
-few through system shared memory), prints predictions, latency and the server's metrics, and shuts
-down by draining.
+few through system shared memory), prints predictions, latency and the server's metrics; then
+applies the next version of the model over the control socket while clients are still served
+(agent/tooling/demo_update.py), and shuts down by draining.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class DemoOptions:
     concurrency: int = 8
     backend: str = "auto"
     shm_requests: int = 4
+    update: bool = True  # the second act: a new version applied while clients are served
 
     def __post_init__(self) -> None:
         for key, value in (("--requests", self.requests), ("--concurrency", self.concurrency),
@@ -263,7 +265,9 @@ def _run_demo(options: DemoOptions, out_dir: Path) -> int:
     from agent.backends import resolve_backend_name
     from agent.config import load_config
     from agent.daemon import Daemon
+    from agent.control.protocol import SOCKET_NAME
     from agent.run import run_foreground
+    from agent.tooling.demo_update import publish_next_version, update_while_serving
 
     bundle, public_key = find_or_build_bundle(out_dir)
     state_dir = out_dir / "state"
@@ -281,9 +285,19 @@ def _run_demo(options: DemoOptions, out_dir: Path) -> int:
                     if whole_split else "")
         input_name = artifacts.manifest["inputs"][0]["name"]
 
+        update_bundle = (publish_next_version(bundle, public_key, out_dir) if options.update
+                         else None)
+
         async def clients(port: int) -> dict[str, Any]:
-            return await _query(f"http://127.0.0.1:{port}", artifacts.name, input_name, images,
-                                options)
+            base = f"http://127.0.0.1:{port}"
+            result = await _query(base, artifacts.name, input_name, images, options)
+            if update_bundle is not None:
+                print(f"\napplying {update_bundle.name} (v{artifacts.version + 1}) while "
+                      f"{options.concurrency} clients keep sending images:")
+                result["update"] = await update_while_serving(
+                    base, artifacts.name, input_name, images, state_dir / SOCKET_NAME,
+                    update_bundle, concurrency=options.concurrency)
+            return result
 
         # The same lifecycle as `edge-agent serve`: SIGTERM or Ctrl-C cancels the clients, and
         # the daemon drains before the command ends.
@@ -317,5 +331,8 @@ def _report(result: dict[str, Any], labels: np.ndarray, expected: str,
                             "edge_agent_batch_size_count", "edge_agent_model_version",
                             "edge_agent_request_duration_seconds_count")):
             print("  " + line)
+    from agent.tooling.demo_update import report_update
+
+    updated = report_update(result["update"]) if "update" in result else True
     print("daemon stopped cleanly")
-    return 0 if shm_ok and correct >= 0.9 * len(labels) else 1
+    return 0 if shm_ok and updated and correct >= 0.9 * len(labels) else 1
