@@ -21,7 +21,6 @@ from agent.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
 from agent.batcher import Batcher, BatchPolicy  # noqa: E402
 from agent.errors import BundleError, InputError, ModelError  # noqa: E402
 from models.batch_axis import BATCH_DIM, check_batch, make_batch_dynamic  # noqa: E402
-from models.calibration import CalibrationReader, CalibrationSet  # noqa: E402
 from models.manifest import validate_manifest  # noqa: E402
 from models.quantize import all_model_outputs  # noqa: E402
 from tests.batch_models import (  # noqa: E402
@@ -101,19 +100,6 @@ def test_an_output_that_does_not_follow_the_batch_is_refused_by_name():
 
 
 # --- calibration and evaluation at a fixed batch ---------------------------------------------
-
-
-def test_the_calibration_reader_feeds_whole_fixed_batches_padded_with_real_samples():
-    arrays = {"images": np.arange(5, dtype=np.float32).reshape(5, 1)}
-    reader = CalibrationReader(CalibrationSet(arrays, "test"), batch_size=32, progress=False,
-                               fixed_batch=2)
-    batches = []
-    while (batch := reader.get_next()) is not None:
-        batches.append(batch["images"][:, 0].tolist())
-    assert batches == [[0.0, 1.0], [2.0, 3.0], [4.0, 0.0]] and len(reader) == 3
-    # Without a fixed batch: equal batches that divide the set (5 samples: one at a time).
-    plain = CalibrationReader(CalibrationSet(arrays, "test"), batch_size=32, progress=False)
-    assert plain.get_next()["images"].shape == (5, 1)
 
 
 def test_outputs_run_in_padded_chunks_of_the_fixed_batch_and_come_back_batch_first():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from agent.errors import CalibrationError
-from models.calibration import CalibrationReader, even_batch_size, from_array, from_directory
+from models.calibration import from_array, from_directory
 from models.onnx_model import TensorSpec
 from tests.helpers import write_samples
 
@@ -119,25 +119,6 @@ def test_from_array_takes_a_fixed_subset():
     np.testing.assert_array_equal(first.arrays["input"], second.arrays["input"])
     with pytest.raises(CalibrationError, match="empty"):
         from_array(images[:0], "input", 20)
-
-
-def test_reader_feeds_every_sample_once_in_batches():
-    images = _images(70)
-    data = from_array(images, "input", 70)
-    reader = CalibrationReader(data, batch_size=32, progress=False)
-    batches = []
-    while (batch := reader.get_next()) is not None:
-        batches.append(batch["input"])
-    # Equal batches (ONNX Runtime's histogram calibrators cannot take a short last one).
-    assert [len(batch) for batch in batches] == [14] * 5
-    assert len(reader) == 5
-    np.testing.assert_array_equal(np.concatenate(batches), data.arrays["input"])
-
-
-@pytest.mark.parametrize("count,expected", [(512, 32), (1000, 25), (1437, 3), (997, 1), (5, 5),
-                                            (1, 1)])
-def test_batches_are_the_largest_equal_split(count, expected):
-    assert even_batch_size(count, 32) == expected
 
 
 def test_copies_among_calibration_samples_are_warned_about(tmp_path, caplog):
