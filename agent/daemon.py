@@ -49,6 +49,7 @@ from agent.supervisor import Supervisor, TaskFactory, TaskState, TaskStatus
 from agent.update.canary import CanaryPolicy
 from agent.update.download import DownloadPolicy
 from agent.update.service import attach_updater
+from agent.update.priority import thread_ids
 from agent.update.states import UpdatePolicy, UpdateState
 from agent.update.steps import DaemonSteps
 from agent.update.updater import Updater
@@ -205,12 +206,16 @@ class Daemon:
         self.store.open()
         artifacts = self._verified(candidate)
         policy = runtime.batch_policy(self.config, artifacts)
+        before = thread_ids()
         backends = await asyncio.get_running_loop().run_in_executor(
             None, runtime.start_backends, self.config, artifacts, policy,
             self._stop_requested.is_set)
         metrics = ServingMetrics(artifacts.name)
         service = ModelService(artifacts.name, artifacts.version, backends, policy,
                                metrics=metrics)
+        # The instances' own threads (ONNX Runtime's pools; the default executor's thread that
+        # made them is among them, and does nothing else heavy).
+        service.backend_threads = thread_ids() - before
         self.services[artifacts.name] = service
         http = self.config.http
         self.server = InferenceServer(

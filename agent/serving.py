@@ -91,6 +91,9 @@ class ModelService:
         self.batcher = Batcher(backends, policy, observer=self.observers, buffer_sets=buffer_sets)
         self.ready = False
         self.metrics.set_model_version(version)
+        # Threads the serving version's backends made (ONNX Runtime's pools), where known: with
+        # the batcher's own (Batcher.thread_ids), where its batches' CPU time goes.
+        self.backend_threads: set[int] = set()
 
     @property
     def backends(self) -> list[Backend]:
@@ -118,14 +121,20 @@ class ModelService:
         self.batcher.start()
         self.ready = True
 
+    def version_threads(self) -> set[int]:
+        """Every thread known to work for the version serving (the canary's CPU accounting)."""
+        return self.backend_threads | self.batcher.thread_ids(self.version)
+
     async def swap(self, version: int, backends: Sequence[Backend], policy: BatchPolicy, *,
-                   drain_timeout_s: float | None = None) -> list[Backend]:
+                   drain_timeout_s: float | None = None,
+                   backend_threads: set[int] | None = None) -> list[Backend]:
         """Serve ``version`` on ``backends`` (active, warmed up) from now on: new batches go to
         them at once, and the version everywhere (URLs, responses, statistics, the Prometheus
         metric) follows. Returns the old backends once their in-flight batches drained (at most
         ``drain_timeout_s``), for the caller to free."""
         self.version = version
         self.metrics.set_model_version(version)
+        self.backend_threads = set(backend_threads or ())
         return await self.batcher.replace_backends(backends, policy=policy,
                                                    drain_timeout_s=drain_timeout_s)
 

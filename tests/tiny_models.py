@@ -24,8 +24,9 @@ CLASSES = 10
 
 # How a tiny classifier can misbehave, for the updater's tests: ``nan`` answers NaN always;
 # ``nan_on_negative`` answers NaN for inputs of negative mean (a model that passes a canary fed
-# positive images and breaks later); ``slow`` computes the same logits after a long detour.
-FAULTS = ("nan", "nan_on_negative", "slow")
+# positive images and breaks later); ``slow`` computes the same logits after a detour of about
+# 10 ms of CPU a sample, ``very_slow`` after one of about 50 ms.
+FAULTS = ("nan", "nan_on_negative", "slow", "very_slow")
 
 
 def tiny_classifier(path: Path, *, seed: int = 0, static_hw: int | None = None,
@@ -78,18 +79,18 @@ def _fault_nodes(fault: str, initializers: list[Any]) -> list[Any]:
                 helper.make_node("Unsqueeze", ["nothing", "axis"], ["column"]),
                 helper.make_node("Add", ["clean", "column"], ["logits"])] + [
             _constant(initializers, "axis", np.array([1], np.int64))]
-    if fault == "slow":
+    if fault in ("slow", "very_slow"):
         # A chain of large matrix products that cancels out: the same logits, much later.
-        size = 512
+        size, steps = 1024, 60 if fault == "slow" else 300
         initializers.append(numpy_helper.from_array(np.eye(size, dtype=np.float32), "eye"))
         initializers.append(numpy_helper.from_array(
             np.zeros((CLASSES, size), np.float32), "widen"))
         nodes = [helper.make_node("MatMul", ["clean", "widen"], ["wide0"])]
-        for step in range(80):
+        for step in range(steps):
             nodes.append(helper.make_node("MatMul", [f"wide{step}", "eye"], [f"wide{step + 1}"]))
         initializers.append(numpy_helper.from_array(
             np.zeros((size, CLASSES), np.float32), "narrow"))
-        nodes += [helper.make_node("MatMul", ["wide80", "narrow"], ["detour"]),
+        nodes += [helper.make_node("MatMul", [f"wide{steps}", "narrow"], ["detour"]),
                   helper.make_node("Add", ["clean", "detour"], ["logits"])]
         return nodes
     raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")

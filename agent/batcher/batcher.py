@@ -8,6 +8,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -87,11 +88,23 @@ class Batcher:
 
     def _wrap(self, backend: Backend) -> Instance:
         index = next(_instance_numbers)
+        threads: set[int] = set()
+
+        def remember() -> None:
+            threads.add(threading.get_native_id())
+
         return Instance(
             backend, index, backend.artifacts.version,
-            ThreadPoolExecutor(1, thread_name_prefix=f"stage-{index}"),
-            ThreadPoolExecutor(1, thread_name_prefix=f"run-{index}"),
+            ThreadPoolExecutor(1, thread_name_prefix=f"stage-{index}", initializer=remember),
+            ThreadPoolExecutor(1, thread_name_prefix=f"run-{index}", initializer=remember),
+            thread_ids=threads,
         )
+
+    def thread_ids(self, version: int) -> set[int]:
+        """The worker threads (staging, running) of the instances serving ``version``: where
+        its batches' CPU time is spent, with the backend's own threads (the canary's cost)."""
+        return {tid for instance in self._instances if instance.version == version
+                for tid in instance.thread_ids}
 
     # -- lifecycle ----------------------------------------------------------------------
 

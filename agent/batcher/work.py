@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,7 @@ class Instance:
     outstanding: int = 0  # batches staged or running
     running: int = 0  # batches past staging: running, or next to run
     retired: bool = False
+    thread_ids: set[int] = field(default_factory=set)  # of its two worker threads, once started
 
 
 def stage(backend: Backend, batch: list[Request]

@@ -9,10 +9,9 @@ answer goes to the client, the new one is only compared. The verdict (:class:`He
 - ``disagreement``: fewer than ``min_agreement`` of the shadowed samples decide as the old
   version did (the class for class scores, cosine >= ``min_cosine`` for other outputs, equal
   values for integers);
-- ``slow``: its compute time per batch over the old version's for the same batches (the lower
-  quartile of the ratios) is above ``max_latency_ratio``, and it costs over
-  :data:`MIN_SLOWDOWN_S` more a batch. Both are timed where they ran; the shadow runs at low priority
-  beside the serving instances, so the ratio errs towards slow and the default bound is loose.
+- ``slow``: the CPU time a sample costs the new version is over ``max_latency_ratio`` times what
+  it costs the old one, and over :data:`MIN_SLOWDOWN_S` more (:meth:`ShadowCanary.cost`: CPU
+  time, since the low-priority shadow is preempted while the serving instances are busy).
 
 With no traffic in ``duration_s`` there is nothing to compare: the verdict passes as
 ``no_traffic`` (the watch window still checks what comes later) unless ``require_traffic``.
@@ -29,7 +28,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +43,19 @@ from agent.update.priority import LowPriority
 log = logging.getLogger(__name__)
 
 
-# A new version is only "slow" when it also costs this much more per batch: a model of tens of
-# microseconds measures its scheduling as much as its work, and three times nothing is nothing.
-MIN_SLOWDOWN_S = 0.001
+# A new version is only "slow" when it also costs this much more CPU time a sample: three times
+# a few microseconds is nothing a client notices.
+MIN_SLOWDOWN_S = 0.0005
+SCHEDSTAT = "/proc/self/task/{tid}/schedstat"
+
+
+def thread_cpu_s(tid: int) -> float:
+    """CPU seconds a thread of this process has run (its schedstat), 0 once it has ended."""
+    try:
+        with open(SCHEDSTAT.format(tid=tid), encoding="ascii") as handle:
+            return int(handle.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +68,7 @@ class CanaryPolicy:
         max_error_rate: Largest share of shadowed batches the new version may fail.
         min_agreement: Smallest share of shadowed samples deciding as the old version did.
         min_cosine: Per sample, for outputs without a class axis: the cosine that agrees.
-        max_latency_ratio: Largest median compute time of the new version over the old one.
+        max_latency_ratio: Largest CPU time a sample of the new version over the old one's.
         require_traffic: Fail (``no_traffic``) when nothing could be shadowed.
         queue_batches: Batches waiting for the shadow at most; more are skipped, not queued.
         watch_s: The watch window after commit.
@@ -178,24 +187,6 @@ def _stack(requests: Sequence[tuple[Mapping[str, Any], dict[str, np.ndarray]]],
              for name, values in outputs.items()})
 
 
-def _timed_run(backend: Backend, inputs: Mapping[str, np.ndarray]
-               ) -> tuple[dict[str, np.ndarray], float]:
-    """The backend's outputs for ``inputs`` (owned) and the seconds its run took: the same part
-    of the work as the serving batches' ``compute_s``, without the copies in and out."""
-    batch_size = int(next(iter(inputs.values())).shape[0])
-    staged = backend.stage(batch_size, {name: tuple(array.shape[1:])
-                                        for name, array in inputs.items()})
-    try:
-        for name, array in inputs.items():
-            np.copyto(staged.inputs[name], array, casting="same_kind")
-        started = time.perf_counter()
-        outputs = backend.run(staged)
-        seconds = time.perf_counter() - started
-        return {name: np.array(value, copy=True) for name, value in outputs.items()}, seconds
-    finally:
-        staged.release()
-
-
 # -- the canary ------------------------------------------------------------------------------
 
 class _LatencyByVersion(ServingObserver):
@@ -230,7 +221,7 @@ class ShadowCanary:
     """
 
     def __init__(self, backends: Sequence[Backend], worker: LowPriority, policy: CanaryPolicy,
-                 *, old_version: int) -> None:
+                 *, old_version: int, old_threads: Callable[[], set[int]] | None = None) -> None:
         self.backend = backends[0]
         self.worker = worker
         self.policy = policy
@@ -243,13 +234,22 @@ class ShadowCanary:
         self.errors = 0
         self.skipped = 0
         self.non_finite = False
-        self.ratios: list[float] = []
-        self.extra_s: list[float] = []  # the new version's compute time less the old one's
+        # CPU time: the new version's threads (its worker and what it made) against the whole
+        # process's less theirs, per sample each served or shadowed (see cost_ratio).
+        self.old_samples = 0
+        self._new_threads = worker.new_threads() | worker.worker_ids()
+        self._old_threads = old_threads
+        self._cpu_start: tuple[float, float] | None = None
+        self._cpu_end: tuple[float, float] | None = None
 
     def tap(self, tapped: Tapped) -> None:
         """The batcher's tap (on the loop): queue the batch, or skip it when the shadow lags."""
         if tapped.version != self.old_version:
             return
+        if self._cpu_start is None:
+            self._cpu_start = self._cpu_now()
+            return  # counting starts with the next batch
+        self.old_samples += tapped.samples
         try:
             self._queue.put_nowait(tapped)
         except asyncio.QueueFull:
@@ -283,25 +283,50 @@ class ShadowCanary:
         inputs, old_outputs = stacked
         self.batches += 1
         try:
-            new_outputs, compute_s = _timed_run(self.backend, inputs)
+            new_outputs = self.backend.infer(inputs)
         except Exception as exc:  # noqa: BLE001 - the new version's failure is the finding
             self.errors += 1
             log.warning("canary: the new version failed a shadowed batch: %s", exc)
             return
-        if tapped.compute_s > 0:
-            self.ratios.append(compute_s / tapped.compute_s)
-            self.extra_s.append(compute_s - tapped.compute_s)
         agree, non_finite = samples_agree(old_outputs, new_outputs, batch_axes=axes,
                                           min_cosine=self.policy.min_cosine)
         self.non_finite |= non_finite
         self.samples += int(agree.size)
         self.agreeing += int(agree.sum())
 
-    def latency_ratio(self) -> float:
-        """The new version's compute time over the old one's for the same batches: the lower
-        quartile of the per-batch ratios, since being preempted (the shadow runs at low
-        priority beside the serving instances) only ever adds time."""
-        return float(np.percentile(self.ratios, 25))
+    def _cpu_now(self) -> tuple[float, float]:
+        """(CPU seconds of the old version's threads, of the new version's); without the old
+        version's threads, the whole process's less the new version's."""
+        new_s = sum(thread_cpu_s(tid) for tid in self._new_threads)
+        old = self._old_threads() if self._old_threads is not None else set()
+        if old:
+            return sum(thread_cpu_s(tid) for tid in old), new_s
+        return time.process_time() - new_s, new_s
+
+    def cost(self) -> tuple[float, float] | None:
+        """CPU seconds a sample costs (old version, new version), None until both were seen.
+
+        CPU time, not the time a run takes: the shadow runs at low priority beside the serving
+        instances and is preempted for as long as they are busy, which would make any new
+        version look slow on a loaded device. Each version's is the CPU time of its threads
+        (the batcher's workers and the backend's pools, ``ModelService.version_threads``) over
+        the samples it ran; where the old version's threads are not known, the process's less
+        the new version's, which includes the HTTP handling and so errs towards fast (the watch
+        window then judges latency)."""
+        start = self._cpu_start
+        end = self._cpu_end or self._cpu_now()
+        if start is None or not self.samples or not self.old_samples:
+            return None
+        new_s = end[1] - start[1]
+        old_s = end[0] - start[0]
+        if old_s <= 0:
+            return None
+        return old_s / self.old_samples, new_s / self.samples
+
+    def latency_ratio(self) -> float | None:
+        """The new version's CPU time a sample over the old one's (:meth:`cost`)."""
+        cost = self.cost()
+        return None if cost is None else cost[1] / cost[0]
 
     def figures(self) -> dict[str, Any]:
         return {
@@ -310,7 +335,8 @@ class ShadowCanary:
             "skipped_batches": self.skipped,
             "errors": self.errors,
             "agreement": round(self.agreeing / self.samples, 4) if self.samples else None,
-            "latency_ratio": round(self.latency_ratio(), 3) if self.ratios else None,
+            "cost_ratio": (round(ratio, 3) if (ratio := self.latency_ratio()) is not None
+                           else None),
             "old_p95_ms": (round(p95 * 1e3, 3) if (p95 := self.old_latency.p95_s()) is not None
                            else None),
         }
@@ -328,6 +354,7 @@ class ShadowCanary:
 
     def _final_verdict(self) -> HealthVerdict:
         policy = self.policy
+        self._cpu_end = self._cpu_now()
         figures = self.figures()
         if self.non_finite:
             return HealthVerdict(False, "non_finite", figures)
@@ -337,8 +364,9 @@ class ShadowCanary:
             return HealthVerdict(not policy.require_traffic, "no_traffic", figures)
         if self.agreeing / self.samples < policy.min_agreement:
             return HealthVerdict(False, "disagreement", figures)
-        if (self.ratios and self.latency_ratio() > policy.max_latency_ratio
-                and float(np.percentile(self.extra_s, 25)) > MIN_SLOWDOWN_S):
+        cost = self.cost()
+        if (cost is not None and cost[1] > policy.max_latency_ratio * cost[0]
+                and cost[1] - cost[0] > MIN_SLOWDOWN_S):
             return HealthVerdict(False, "slow", figures)
         return HealthVerdict(True, "ok", figures)
 

@@ -88,6 +88,10 @@ class LowPriority:
                 found.add(tid)
         return found
 
+    def worker_ids(self) -> set[int]:
+        """The worker thread's id, once it has started."""
+        return set() if self._worker is None else {self._worker}
+
     def restore(self) -> int:
         """Set the threads this version made back to the daemon's priority; returns how many.
         The worker thread itself stays low (it only serves the next update's shadow runs)."""

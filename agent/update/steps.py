@@ -249,7 +249,7 @@ class DaemonSteps:
         loaded = self._require_candidate(job)
         service = self.service
         canary = ShadowCanary(loaded.backends, loaded.worker, self.canary_policy,
-                              old_version=service.version)
+                              old_version=service.version, old_threads=service.version_threads)
         unsubscribe = service.observers.subscribe(canary.old_latency)
         service.batcher.set_tap(canary.tap)
         try:
@@ -272,7 +272,8 @@ class DaemonSteps:
         await loop.run_in_executor(None, store.activate, loaded.artifacts.name, loaded.version)
         started = time.perf_counter()
         old = await self.service.swap(loaded.version, loaded.backends, loaded.policy,
-                                      drain_timeout_s=self.drain_timeout_s)
+                                      drain_timeout_s=self.drain_timeout_s,
+                                      backend_threads=loaded.worker.new_threads())
         swap_s = time.perf_counter() - started
         self.swap_seconds.append(swap_s)
         self._candidate = None
@@ -345,8 +346,9 @@ class DaemonSteps:
             await loop.run_in_executor(None, _free, loaded)
             worker.close()
             raise
+        made = worker.new_threads()
         old = await service.swap(artifacts.version, loaded, policy,
-                                 drain_timeout_s=self.drain_timeout_s)
+                                 drain_timeout_s=self.drain_timeout_s, backend_threads=made)
         worker.restore()
         await loop.run_in_executor(None, store.rollback)
         await loop.run_in_executor(None, _free, old)
