@@ -9,7 +9,8 @@ downloading        the source (a path, ``file://``, ``http(s)://``) into ``<stat
 verifying          the bundle's signature, every hash and the agent version it needs
                    (``open_bundle``); then that it is the model this daemon serves, with the same
                    inputs and outputs, and newer than the version serving (anti-rollback)
-staged             installed into the store beside the current version, not current
+staged             installed into the store beside the current version, not current; the
+                   downloaded file is then removed
 building-engine    the new version's instances created and activated (a TensorRT engine is built
                    here, or found in the cache) on a thread of lower CPU priority
 warming            warm-up batches on that thread; a NaN or Inf on them fails the update
@@ -186,6 +187,10 @@ class DaemonSteps:
             raise UpdateError(f"the bundle could not be installed: {exc.message}",
                               reason="install_failed", **_facts(exc)) from exc
         job.notes["artifacts"] = artifacts
+        # The store has its own verified copy now, and nothing after staged reads the download
+        # (a restart does not resume from staged on): left there, every committed update would
+        # keep a bundle-sized file in downloads/ for good.
+        await loop.run_in_executor(None, lambda: path.unlink(missing_ok=True))
 
     async def _artifacts(self, job: UpdateJob) -> ModelArtifacts:
         artifacts = job.notes.get("artifacts")
