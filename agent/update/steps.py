@@ -313,10 +313,21 @@ class DaemonSteps:
         if candidate is not None:
             await asyncio.get_running_loop().run_in_executor(None, candidate.free)
             candidate.worker.close()
-        if job.source:
-            destination = self._destination(job.source)
+        destination = self._destination(job.source) if job.source else None
+        await asyncio.get_running_loop().run_in_executor(None, self._remove_files, destination)
+
+    def _remove_files(self, destination: Path | None) -> None:
+        """The download's files, and installed versions beyond ``store.keep_versions``: a
+        candidate that was staged and then failed or was cut short by a restart stays installed
+        otherwise, and a run of failing versions would fill the disk (the store never deletes
+        the current or the previous version). Blocking I/O, for an executor thread."""
+        if destination is not None:
             discard_partial(destination)
             destination.unlink(missing_ok=True)
+        try:
+            self.daemon.store.garbage_collect()
+        except StoreError as exc:
+            log.warning("could not delete old model versions: %s", exc)
 
     async def revert(self, job: UpdateJob) -> None:
         await self.discard(job)
