@@ -10,7 +10,8 @@ answer goes to the client, the new one is only compared. The verdict (:class:`He
   version did (the class for class scores, cosine >= ``min_cosine`` for other outputs, equal
   values for integers);
 - ``slow``: its compute time per batch over the old version's for the same batches (the lower
-  quartile of the ratios) is above ``max_latency_ratio``. Both are timed where they ran; the shadow runs at low priority
+  quartile of the ratios, over :data:`MIN_TIMED_BATCHES` batches at least) is above
+  ``max_latency_ratio``. Both are timed where they ran; the shadow runs at low priority
   beside the serving instances, so the ratio errs towards slow and the default bound is loose.
 
 With no traffic in ``duration_s`` there is nothing to compare: the verdict passes as
@@ -41,6 +42,12 @@ from agent.observers import RequestDone, ServingObserver
 from agent.update.priority import LowPriority
 
 log = logging.getLogger(__name__)
+
+# Shadowed batches the latency gate needs before it judges: a version's first batch of a new
+# shape is slow (ONNX Runtime allocates for it), and a quiet board's canary may see one or two
+# requests, so a lone ratio of 7 rolled healthy versions back. With fewer, the watch window
+# judges latency after commit.
+MIN_TIMED_BATCHES = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,7 +336,8 @@ class ShadowCanary:
             return HealthVerdict(not policy.require_traffic, "no_traffic", figures)
         if self.agreeing / self.samples < policy.min_agreement:
             return HealthVerdict(False, "disagreement", figures)
-        if self.ratios and self.latency_ratio() > policy.max_latency_ratio:
+        if len(self.ratios) >= MIN_TIMED_BATCHES and (
+                self.latency_ratio() > policy.max_latency_ratio):
             return HealthVerdict(False, "slow", figures)
         return HealthVerdict(True, "ok", figures)
 
