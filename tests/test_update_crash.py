@@ -232,11 +232,12 @@ class Board:
         raise AssertionError(f"never reached {state}: {json.dumps(status['updater'])[:2000]}")
 
     def wait_settled(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Wait until the updater rests (idle or failed), in its status and on disk."""
         deadline = time.monotonic() + timeout_s
         status = self.status()
         while time.monotonic() < deadline:
             status = self.status()
-            if status["state"] in SETTLED:
+            if status["state"] in SETTLED and journal_state(self.state) == status["state"]:
                 return status
             time.sleep(0.05)
         raise AssertionError(f"never settled: {json.dumps(status['updater'])[:2000]}")
@@ -254,7 +255,8 @@ class Board:
             status = self.status()
             outcome = status["updater"]["last_outcome"] or {}
             if (status["state"] in SETTLED and outcome.get("update_id") == update_id
-                    and outcome.get("result") != "interrupted"):
+                    and outcome.get("result") != "interrupted"
+                    and journal_state(self.state) == status["state"]):
                 return status
             time.sleep(0.05)
         raise AssertionError(f"{update_id} never ended: {json.dumps(status['updater'])[:2000]}")
@@ -342,9 +344,8 @@ def check_consistent(board: Board, *, old: int, new: int) -> dict[str, Any]:
     assert served == current == status["serving"]["version"], (served, current, status)
     verify_versions(board, [served])
     journal = read_journal(board.state)
-    leftovers = [path.name for path in board.state.iterdir()
-                 if ".corrupt-" in path.name or path.name.endswith(".tmp")]
-    assert leftovers == [], leftovers
+    set_aside = [path.name for path in board.state.iterdir() if ".corrupt-" in path.name]
+    assert set_aside == [], set_aside
     recovery = status["updater"]["recovery"]
     assert recovery["journal_problem"] is None, recovery
     if served == new:
@@ -369,6 +370,8 @@ def check_no_leftovers(board: Board) -> None:
     downloads = board.state / "downloads"
     left = sorted(path.name for path in downloads.iterdir()) if downloads.exists() else []
     assert left == [], left
+    unfinished = [path.name for path in board.state.iterdir() if path.name.endswith(".tmp")]
+    assert unfinished == [], unfinished
     entries = sorted(path.name for path in (board.state / "models" / "tiny").iterdir())
     assert all(name.isdigit() for name in entries), entries
     versions = [int(name) for name in entries]
@@ -459,7 +462,7 @@ def test_a_kill_in_each_state_restarts_on_a_verified_model(board: Board, name: s
     recovery = reported["updater"]["recovery"]
     assert (recovery["found"], recovery["action"]) == (case.state, case.action), recovery
     settled = board.wait_outcome(update_id)
-    assert settled["serving"]["version"] == case.served, settled
+    assert settled["serving"]["version"] == case.served, settled["updater"]
     outcome = settled["updater"]["last_outcome"]
     history = [(event["from"], event["to"], event["reason"])
                for event in read_journal(board.state)["history"]]
