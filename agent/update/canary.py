@@ -11,7 +11,8 @@ answer goes to the client, the new one is only compared. The verdict (:class:`He
   values for integers);
 - ``slow``: the CPU time a sample costs the new version is over ``max_latency_ratio`` times what
   it costs the old one, and over :data:`MIN_SLOWDOWN_S` more (:meth:`ShadowCanary.cost`: CPU
-  time, since the low-priority shadow is preempted while the serving instances are busy).
+  time, since the low-priority shadow is preempted while the serving instances are busy), over
+  :data:`MIN_TIMED_BATCHES` shadowed batches at least.
 
 With no traffic in ``duration_s`` there is nothing to compare: the verdict passes as
 ``no_traffic`` (the watch window still checks what comes later) unless ``require_traffic``.
@@ -41,6 +42,12 @@ from agent.observers import RequestDone, ServingObserver
 from agent.update.priority import LowPriority
 
 log = logging.getLogger(__name__)
+
+# Shadowed batches the latency gate needs before it judges: a version's first batch of a new
+# shape is slow (ONNX Runtime allocates for it), and a quiet board's canary may see one or two
+# requests, so a lone ratio of 7 rolled healthy versions back. With fewer, the watch window
+# judges latency after commit.
+MIN_TIMED_BATCHES = 5
 
 
 # A new version is only "slow" when it also costs this much more CPU time a sample: three times
@@ -365,7 +372,8 @@ class ShadowCanary:
         if self.agreeing / self.samples < policy.min_agreement:
             return HealthVerdict(False, "disagreement", figures)
         cost = self.cost()
-        if (cost is not None and cost[1] > policy.max_latency_ratio * cost[0]
+        if (cost is not None and self.batches >= MIN_TIMED_BATCHES
+                and cost[1] > policy.max_latency_ratio * cost[0]
                 and cost[1] - cost[0] > MIN_SLOWDOWN_S):
             return HealthVerdict(False, "slow", figures)
         return HealthVerdict(True, "ok", figures)

@@ -9,7 +9,8 @@ downloading        the source (a path, ``file://``, ``http(s)://``) into ``<stat
 verifying          the bundle's signature, every hash and the agent version it needs
                    (``open_bundle``); then that it is the model this daemon serves, with the same
                    inputs and outputs, and newer than the version serving (anti-rollback)
-staged             installed into the store beside the current version, not current
+staged             installed into the store beside the current version, not current; the
+                   downloaded file is then removed
 building-engine    the new version's instances created and activated (a TensorRT engine is built
                    here, or found in the cache) on a thread of lower CPU priority
 warming            warm-up batches on that thread; a NaN or Inf on them fails the update
@@ -186,6 +187,10 @@ class DaemonSteps:
             raise UpdateError(f"the bundle could not be installed: {exc.message}",
                               reason="install_failed", **_facts(exc)) from exc
         job.notes["artifacts"] = artifacts
+        # The store has its own verified copy now, and nothing after staged reads the download
+        # (a restart does not resume from staged on): left there, every committed update would
+        # keep a bundle-sized file in downloads/ for good.
+        await loop.run_in_executor(None, lambda: path.unlink(missing_ok=True))
 
     async def _artifacts(self, job: UpdateJob) -> ModelArtifacts:
         artifacts = job.notes.get("artifacts")
@@ -309,10 +314,21 @@ class DaemonSteps:
         if candidate is not None:
             await asyncio.get_running_loop().run_in_executor(None, candidate.free)
             candidate.worker.close()
-        if job.source:
-            destination = self._destination(job.source)
+        destination = self._destination(job.source) if job.source else None
+        await asyncio.get_running_loop().run_in_executor(None, self._remove_files, destination)
+
+    def _remove_files(self, destination: Path | None) -> None:
+        """The download's files, and installed versions beyond ``store.keep_versions``: a
+        candidate that was staged and then failed or was cut short by a restart stays installed
+        otherwise, and a run of failing versions would fill the disk (the store never deletes
+        the current or the previous version). Blocking I/O, for an executor thread."""
+        if destination is not None:
             discard_partial(destination)
             destination.unlink(missing_ok=True)
+        try:
+            self.daemon.store.garbage_collect()
+        except StoreError as exc:
+            log.warning("could not delete old model versions: %s", exc)
 
     async def revert(self, job: UpdateJob) -> None:
         await self.discard(job)
