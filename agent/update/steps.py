@@ -186,6 +186,10 @@ class DaemonSteps:
             raise UpdateError(f"the bundle could not be installed: {exc.message}",
                               reason="install_failed", **_facts(exc)) from exc
         job.notes["artifacts"] = artifacts
+        # The store holds its own copy now, and nothing after this state reads the download
+        # (a failure or a restart from here on rolls back): without this, every update would
+        # leave its bundle in the downloads folder for good.
+        await loop.run_in_executor(None, self._destination(job.source).unlink, True)
 
     async def _artifacts(self, job: UpdateJob) -> ModelArtifacts:
         artifacts = job.notes.get("artifacts")
