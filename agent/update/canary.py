@@ -12,6 +12,10 @@ answer goes to the client, the new one is only compared. The verdict (:class:`He
 - ``slow``: its compute time per batch over the old version's for the same batches (the lower
   quartile of the ratios) is above ``max_latency_ratio``. Both are timed where they ran; the shadow runs at low priority
   beside the serving instances, so the ratio errs towards slow and the default bound is loose.
+  The new version's first batch of each size is compared but not timed: ONNX Runtime plans
+  its memory at the first run of a shape (about twice the time of later runs, on the tiny test
+  classifier), which the serving version did long ago, so with few batches a healthy version
+  was judged slow.
 
 With no traffic in ``duration_s`` there is nothing to compare: the verdict passes as
 ``no_traffic`` (the watch window still checks what comes later) unless ``require_traffic``.
@@ -238,6 +242,7 @@ class ShadowCanary:
         self.skipped = 0
         self.non_finite = False
         self.ratios: list[float] = []
+        self._timed_sizes: set[int] = set()  # batch sizes the new version has run once
 
     def tap(self, tapped: Tapped) -> None:
         """The batcher's tap (on the loop): queue the batch, or skip it when the shadow lags."""
@@ -281,7 +286,10 @@ class ShadowCanary:
             self.errors += 1
             log.warning("canary: the new version failed a shadowed batch: %s", exc)
             return
-        if tapped.compute_s > 0:
+        batch_size = int(next(iter(inputs.values())).shape[0])
+        if batch_size not in self._timed_sizes:
+            self._timed_sizes.add(batch_size)  # its first run of this shape (module docstring)
+        elif tapped.compute_s > 0:
             self.ratios.append(compute_s / tapped.compute_s)
         agree, non_finite = samples_agree(old_outputs, new_outputs, batch_axes=axes,
                                           min_cosine=self.policy.min_cosine)
