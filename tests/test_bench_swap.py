@@ -39,15 +39,15 @@ def test_bench_swap_runs_every_phase_and_writes_its_figures(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]
                                                             ) -> None:
     out = tmp_path / "swap.json"
-    status = main(["bench", "swap", "--json", str(out), "--swaps", "2", "--soak", "6",
+    status = main(["bench", "swap", "--json", str(out), "--swaps", "2", "--soak", "8",
                    "--soak-warmup", "2", "--capacity-time", "0.5", "--steady-time", "1",
-                   "--watch-window", "0.5", "--gap", "0.1", "--canary-min-samples", "8"])
+                   "--watch-window", "0.5", "--gap", "0.1"])
     summary = json.loads(out.read_text())
     printed = capsys.readouterr().out
     for key in ("swaps", "failed_requests", "p99_swap_over_steady", "rollback_s", "soak_swaps",
                 "soak_rss_growth_mib"):
         assert key in summary, key
-    assert summary["swaps"] == 2 and summary["soak_swaps"] == 6, summary["swap_failures"]
+    assert summary["swaps"] == 2 and summary["soak_swaps"] == 8, summary["swap_failures"]
     assert summary["failed_requests"] == 0, summary["failures_by_kind"]
     assert summary["phases"]["steady"]["requests"] > 0
     assert summary["phases"]["during_swaps"]["requests"] > 0
@@ -60,9 +60,10 @@ def test_bench_swap_runs_every_phase_and_writes_its_figures(tmp_path: Path,
     assert watch["committed"] and watch["reason"] == "non_finite"
     assert watch["serving_after"] == watch["previous_version"] == 3
     assert watch["nan_answers"] > 0 and 0 < summary["rollback_s"] < 30
-    # Nothing a swap makes is left behind: threads, open files, downloaded bundles.
+    # Nothing a swap makes is left behind: threads, open files, downloaded bundles. (A thread
+    # leaked per swap would add 6 here; the daemon's executor may still start one meanwhile.)
     soak = summary["soak"]
-    assert summary["soak_thread_growth"] <= 0, soak
+    assert summary["soak_thread_growth"] <= 1, soak
     assert summary["soak_fd_growth"] <= 0, soak
     assert soak["state_dir_files"] <= soak["state_dir_files_before"], soak
     assert "p99/steady" in printed and "rollback" in printed

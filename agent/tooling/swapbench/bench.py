@@ -114,12 +114,13 @@ class SwapBenchOptions:
                               found=self.soak_warmup_swaps)
         if not 0 < self.load_fraction <= 1:
             raise ConfigError("must be in (0, 1]", key="--load-fraction", found=self.load_fraction)
-        for key, value in (("--capacity-time", self.capacity_s), ("--steady-time", self.steady_s),
-                           ("--watch-window", self.watch_window_s),
-                           ("--canary-duration", self.canary_duration_s)):
-            if not (math.isfinite(value) and 0 < value <= 3600):  # also refuses NaN
+        for key, seconds in (("--capacity-time", self.capacity_s),
+                             ("--steady-time", self.steady_s),
+                             ("--watch-window", self.watch_window_s),
+                             ("--canary-duration", self.canary_duration_s)):
+            if not (math.isfinite(seconds) and 0 < seconds <= 3600):  # also refuses NaN
                 raise ConfigError("must be a positive number of seconds (at most an hour)",
-                                  key=key, found=value)
+                                  key=key, found=seconds)
         if not (math.isfinite(self.gap_s) and 0 <= self.gap_s <= 3600):
             raise ConfigError("must be a number of seconds, 0 to an hour", key="--gap",
                               found=self.gap_s)
