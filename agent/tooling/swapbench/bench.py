@@ -361,6 +361,13 @@ class _Run:
               f"({self.found['watch_rollback']['reason']}), v{_serving_version(final)} serves",
               flush=True)
 
+    def _settled_resources(self) -> dict[str, float]:
+        """The daemon's resources once the updater rests and the control connection that
+        asked has closed: both readings of the soak are taken alike."""
+        self.updates.until_resting(self.options.watch_window_s + 30)
+        time.sleep(0.5)
+        return self.daemon.resources()
+
     def soak(self) -> None:
         options = self.options
         started = time.perf_counter()
@@ -368,7 +375,7 @@ class _Run:
         warmup = min(options.soak_warmup_swaps, options.soak_swaps // 2)
         first: dict[str, float] | None = None
         if warmup == 0:
-            first = self.daemon.resources()
+            first = self._settled_resources()
         files_before = _tree_files(self.daemon.spec.state_dir)
         readings = []
         for index in range(options.soak_swaps):
@@ -378,15 +385,13 @@ class _Run:
                 self.found["soak_failed_swaps"] = self.found.get("soak_failed_swaps", 0) + 1
             bundle.unlink()
             if index + 1 == warmup:
-                first = self.daemon.resources()
+                first = self._settled_resources()
             if (index + 1) % 50 == 0 or index + 1 == options.soak_swaps:
                 reading = self.daemon.resources()
                 readings.append({"swaps": index + 1, **reading})
                 print(f"soak {index + 1}/{options.soak_swaps}: rss {reading['rss_mib']:.1f} MiB, "
                       f"{reading['fds']:.0f} fds, {reading['threads']:.0f} threads", flush=True)
-        self.updates.until_resting(options.watch_window_s + 30)
-        time.sleep(0.5)
-        last = self.daemon.resources()
+        last = self._settled_resources()
         self.timeline.soak = (started, time.perf_counter())
         assert first is not None
         self.found["soak"] = {"swaps": options.soak_swaps, "warmup_swaps": warmup, "start": first, "end": last,
