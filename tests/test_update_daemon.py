@@ -168,6 +168,11 @@ def test_an_update_swaps_while_clients_are_served_and_every_answer_names_its_ver
     assert out["model"]["versions"] == ["2"]
     canary = out["status"]["counters"]["canary_verdicts"]
     assert canary["healthy"] == 1
+    # Nothing of the update is left behind: the store has its copy of the bundle, and the
+    # new version's loading thread has ended.
+    assert list((setup["config"].state_dir / "downloads").iterdir()) == []
+    assert not [thread.name for thread in threading.enumerate()
+                if thread.name.startswith("update-v")]
     store = Daemon(setup["config"]).store.open()
     try:
         assert store.current().version == 2 and store.previous().version == 1

@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="interleaved timing rounds (spreads machine noise over variants)")
     pipeline.set_defaults(handler=run_pipeline)
     register_serve(kinds)
+    register_swap(kinds)
 
 
 def check_json_path(path: Path | None) -> None:
@@ -116,3 +117,58 @@ def run_serve(args: argparse.Namespace) -> int:
         write_summary(summary, args.json)
         print(f"wrote {args.json}")
     return 0
+
+
+def register_swap(kinds: argparse._SubParsersAction) -> None:
+    from agent.tooling.swapbench.bench import SwapBenchOptions
+
+    defaults = SwapBenchOptions()
+    swap = kinds.add_parser(
+        "swap",
+        help="hot swaps under half-capacity load, a bad version rolled back, a soak of swaps",
+        description="Makes its own key, tiny bundles and daemon (ONNX Runtime): needs the "
+                    "device extra.")
+    swap.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
+    swap.add_argument("--swaps", type=int, default=defaults.swaps,
+                      help="measured consecutive swaps")
+    swap.add_argument("--soak", type=int, default=defaults.soak_swaps, metavar="SWAPS",
+                      help="swaps of the soak (memory and open files before and after)")
+    swap.add_argument("--soak-warmup", type=int, default=defaults.soak_warmup_swaps,
+                      metavar="SWAPS", help="soak swaps before the first memory reading")
+    swap.add_argument("--capacity-time", type=float, default=defaults.capacity_s,
+                      metavar="SECONDS")
+    swap.add_argument("--steady-time", type=float, default=defaults.steady_s, metavar="SECONDS",
+                      help="the baseline window without swaps")
+    swap.add_argument("--load-fraction", type=float, default=defaults.load_fraction,
+                      metavar="SHARE", help="the load as a share of the measured capacity")
+    swap.add_argument("--workers", type=int, default=defaults.workers,
+                      help="paced clients (requests in flight at most)")
+    swap.add_argument("--gap", type=float, default=defaults.gap_s, metavar="SECONDS",
+                      help="load between a swap's watch window and the next swap")
+    swap.add_argument("--watch-window", type=float, default=defaults.watch_window_s,
+                      metavar="SECONDS", help="the daemon's watch window after a commit")
+    swap.add_argument("--canary-min-samples", type=int, default=defaults.canary_min_samples)
+    swap.add_argument("--config", type=Path, metavar="FILE",
+                      help="daemon configuration (default: the embedded defaults)")
+    swap.add_argument("--backend", default=defaults.backend)
+    swap.set_defaults(handler=run_swap)
+
+
+def run_swap(args: argparse.Namespace) -> int:
+    require("onnxruntime", extra="device", purpose="edge-agent bench swap")
+    require("httptools", extra="device", purpose="edge-agent bench swap")
+    from agent.tooling.swapbench.bench import SwapBenchOptions, format_summary, run_bench
+
+    options = SwapBenchOptions(
+        swaps=args.swaps, soak_swaps=args.soak, soak_warmup_swaps=args.soak_warmup,
+        capacity_s=args.capacity_time, steady_s=args.steady_time,
+        load_fraction=args.load_fraction, workers=args.workers, gap_s=args.gap,
+        watch_window_s=args.watch_window, canary_min_samples=args.canary_min_samples,
+        config=args.config, backend=args.backend)
+    check_json_path(args.json)
+    summary = run_bench(options)
+    print(format_summary(summary))
+    if args.json:
+        write_summary(summary, args.json)
+        print(f"wrote {args.json}")
+    return 1 if not all(value is not False for value in summary["targets"].values()) else 0

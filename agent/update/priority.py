@@ -94,7 +94,7 @@ class LowPriority:
 
     def restore(self) -> int:
         """Set the threads this version made back to the daemon's priority; returns how many.
-        The worker thread itself stays low (it only serves the next update's shadow runs)."""
+        The worker thread itself stays low; :meth:`close` ends it."""
         global _warned_restore
         restored = 0
         for tid in self.new_threads() - {self._worker}:

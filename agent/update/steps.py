@@ -283,6 +283,9 @@ class DaemonSteps:
         self.swap_seconds.append(swap_s)
         self._candidate = None
         restored = loaded.worker.restore()
+        # Its work is done: the next update loads on a worker of its own. (Left open, the idle
+        # thread would live on, one per swap: its initializer holds the executor.)
+        loaded.worker.close()
         await loop.run_in_executor(None, _free, old)
         log.info("%s v%d serves (swap %.3f s; %d old instance(s) freed, %d thread(s) back to "
                  "the daemon's priority)", loaded.artifacts.name, loaded.version, swap_s,
@@ -366,6 +369,7 @@ class DaemonSteps:
         old = await service.swap(artifacts.version, loaded, policy,
                                  drain_timeout_s=self.drain_timeout_s, backend_threads=made)
         worker.restore()
+        worker.close()
         await loop.run_in_executor(None, store.rollback)
         await loop.run_in_executor(None, _free, old)
         log.warning("rolled back from %s to %s v%d", bundle, artifacts.name, artifacts.version)
