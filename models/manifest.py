@@ -210,6 +210,30 @@ def validate_manifest(manifest: Mapping[str, Any]) -> None:
     if not isinstance(min_agent_version, str) or _SEMVER.fullmatch(min_agent_version) is None:
         raise invalid_field("min_agent_version", "a version X.Y.Z", min_agent_version)
 
+    targets = manifest.get("targets")
+    if targets is not None and (not isinstance(targets, list) or not targets or not all(
+            isinstance(item, str) and (item == "*" or _NAME_SLUG.fullmatch(item))
+            for item in targets)):
+        raise invalid_field("targets", 'a non-empty list of device classes (slugs) or "*"',
+                            targets)
+
+
+def check_target(manifest: Mapping[str, Any], device_class: str) -> None:
+    """Refuse a bundle whose ``targets`` (the device classes it was built and tested for, such
+    as ``orin-nano-8gb``; absent or ``"*"``: any) do not name ``device_class``, this device's
+    (``device_class`` in the configuration; empty: undeclared, which only an untargeted bundle
+    suits).
+
+    Raises:
+        BundleError: the bundle is for other devices.
+    """
+    targets = manifest.get("targets")
+    if targets is None or "*" in targets:
+        return
+    if device_class not in targets:
+        raise BundleError("the bundle is for other devices", targets=", ".join(targets),
+                          device_class=device_class or "(none: set device_class)")
+
 
 def check_compatibility(manifest: Mapping[str, Any], agent_version: str) -> None:
     """Refuse a bundle whose ``min_agent_version`` is newer than ``agent_version``.

@@ -1036,3 +1036,24 @@ def test_resign_refuses_an_unlisted_member(
     with pytest.raises(BundleError, match="not listed") as excinfo:
         resign_bundle(path, tmp_path / "out.bundle", generate_private_key())
     assert excinfo.value.fields["member"] == "timing.cache"
+
+
+def test_a_bundle_names_the_device_classes_it_is_for() -> None:
+    from models.manifest import check_target, validate_manifest
+    from tests.tiny_models import tiny_manifest
+
+    manifest = {**tiny_manifest(), "schema_version": 1, "created_at": "2026-12-01T00:00:00Z",
+                "artifacts": {"model.onnx": {"sha256": "00" * 32, "size": 1}}}
+    check_target(manifest, "")  # no targets: any device
+    for targets, device_class in ((["orin-nano-8gb", "orin-nx-16gb"], "orin-nx-16gb"),
+                                  (["*"], "")):
+        validate_manifest({**manifest, "targets": targets})
+        check_target({**manifest, "targets": targets}, device_class)
+    with pytest.raises(BundleError, match="for other devices") as caught:
+        check_target({**manifest, "targets": ["orin-agx-64gb"]}, "orin-nano-8gb")
+    assert caught.value.fields["device_class"] == "orin-nano-8gb"
+    with pytest.raises(BundleError, match="for other devices"):
+        check_target({**manifest, "targets": ["orin-agx-64gb"]}, "")  # an undeclared device
+    for bad in ([], "orin-nano-8gb", ["Orin Nano"], [3]):
+        with pytest.raises(BundleError, match="targets"):
+            validate_manifest({**manifest, "targets": bad})

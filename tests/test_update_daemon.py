@@ -245,12 +245,14 @@ def test_bundles_that_must_never_apply_are_refused_with_their_reason(
     truncated = directory / "truncated.bundle"
     good, _ = make_bundle(directory, version=3, key=setup["key"])
     truncated.write_bytes(good.read_bytes()[:2000])
+    elsewhere, _ = make_bundle(directory / "agx", version=4, key=setup["key"],
+                               manifest_extra={"targets": ["orin-agx-64gb"]})
     daemon = _daemon(setup)
 
     async def session(port: int) -> dict[str, Any]:
         found: dict[str, Any] = {}
         for label, source in (("stranger", _url(stranger)), ("other", _url(other_model)),
-                              ("truncated", _url(truncated)),
+                              ("truncated", _url(truncated)), ("elsewhere", _url(elsewhere)),
                               ("missing", _url(directory / "nowhere.bundle"))):
             result = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": source})
             found[label] = result["error"]["reason"] if result["error"] else result["state"]
@@ -261,7 +263,8 @@ def test_bundles_that_must_never_apply_are_refused_with_their_reason(
 
     found = run_foreground(daemon, session=session)
     assert found == {"stranger": "bad_signature", "other": "wrong_model",
-                     "truncated": "bad_bundle", "missing": "not_found", "same": "idle",
+                     "truncated": "bad_bundle", "elsewhere": "wrong_target",
+                     "missing": "not_found", "same": "idle",
                      "version": 1}
 
 

@@ -131,14 +131,17 @@ def tiny_manifest(name: str = "tiny", version: int = 1, *, max_batch: int = 32,
 
 
 def make_bundle(directory: Path, *, name: str = "tiny", version: int = 1, seed: int = 0,
-                key: Any = None, fault: str | None = None) -> tuple[Path, Any]:
-    """A signed bundle of the tiny classifier; returns (bundle path, private key)."""
+                key: Any = None, fault: str | None = None,
+                manifest_extra: Mapping[str, Any] | None = None) -> tuple[Path, Any]:
+    """A signed bundle of the tiny classifier (``manifest_extra`` added to its manifest);
+    returns (bundle path, private key)."""
     key = key or generate_private_key()
     label = f"{name}-{version}" + (f"-{fault}" if fault else "") + (f"-s{seed}" if seed else "")
     work = directory / f"src-{label}"
     onnx_path = tiny_classifier(work / "model.onnx", seed=seed, fault=fault)
     bundle = directory / f"{label}.bundle"
-    pack_bundle(bundle, tiny_manifest(name, version), {"model.onnx": onnx_path}, key)
+    pack_bundle(bundle, {**tiny_manifest(name, version), **(manifest_extra or {})},
+                {"model.onnx": onnx_path}, key)
     return bundle, key
 
 

@@ -47,6 +47,7 @@ MEBIBYTE = 1024 * 1024
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # A device id becomes an MQTT topic level and client id: no '/', '+', '#' or spaces.
 _DEVICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_DEVICE_CLASS = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -310,6 +311,9 @@ class AgentConfig(Section):
     state_dir: Path = DEFAULT_STATE_DIR
     # Empty: the host name is used (see resolved_device_id).
     device_id: str = ""
+    # What kind of device this is (a slug such as orin-nano-8gb): a bundle whose manifest lists
+    # `targets` is applied only on a device of a class it names. Empty: undeclared.
+    device_class: str = ""
     http: HttpConfig = field(default_factory=HttpConfig)
     serving: ServingConfig = field(default_factory=ServingConfig)
     tensorrt: TensorRTConfig = field(default_factory=TensorRTConfig)
@@ -319,6 +323,9 @@ class AgentConfig(Section):
     log: LogConfig = field(default_factory=LogConfig)
 
     def _check(self) -> None:
+        if self.device_class and _DEVICE_CLASS.fullmatch(self.device_class) is None:
+            raise invalid("device_class", "empty or a slug [a-z0-9][a-z0-9._-]*",
+                          self.device_class)
         if self.device_id and _DEVICE_ID.fullmatch(self.device_id) is None:
             raise invalid("device_id", "empty or [A-Za-z0-9][A-Za-z0-9._-]*", self.device_id)
 

@@ -1,8 +1,8 @@
 """Health gates for a new version: the shadow canary before commit, the watch window after it.
 
 **Canary** (:class:`ShadowCanary`): while the old version answers every request, the batches it
-ran are handed (the batcher's tap) to the new version too, on a low-priority thread; the old
-answer goes to the client, the new one is only compared. The verdict (:class:`HealthVerdict`) fails on:
+ran are handed (the batcher's tap) to the new version too, whose computing threads run at low
+priority; the old answer goes to the client, the new one is only compared. The verdict (:class:`HealthVerdict`) fails on:
 
 - ``errors``: the new version raised on more than ``max_error_rate`` of its shadowed batches;
 - ``non_finite``: it gave NaN or Inf where the old version's output was finite;
@@ -28,8 +28,10 @@ import asyncio
 import collections
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,8 +248,18 @@ class ShadowCanary:
         self.old_samples = 0
         self._new_threads = worker.new_threads() | worker.worker_ids()
         self._old_threads = old_threads
+        # The shadow's calls run on a thread of the daemon's own priority, not the version's
+        # low-priority one: between ONNX Runtime runs (which release the GIL) they are Python
+        # that holds it, and a low-priority thread preempted while holding it stalls the event
+        # loop behind it (the swap benchmark's P99 doubled). The version's own threads, where
+        # its computation runs, stay low.
+        self._shadow_pool = ThreadPoolExecutor(1, thread_name_prefix="canary",
+                                               initializer=self._remember_thread)
         self._cpu_start: tuple[float, float] | None = None
         self._cpu_end: tuple[float, float] | None = None
+
+    def _remember_thread(self) -> None:
+        self._new_threads.add(threading.get_native_id())
 
     def tap(self, tapped: Tapped) -> None:
         """The batcher's tap (on the loop): queue the batch, or skip it when the shadow lags."""
@@ -265,6 +277,12 @@ class ShadowCanary:
     async def run(self) -> HealthVerdict:
         """Shadow until enough samples were compared or ``duration_s`` passed, or a gate
         failed; returns the verdict."""
+        try:
+            return await self._run()
+        finally:
+            self._shadow_pool.shutdown(wait=False)
+
+    async def _run(self) -> HealthVerdict:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.policy.duration_s
         while True:
@@ -278,10 +296,10 @@ class ShadowCanary:
                 tapped = await asyncio.wait_for(self._queue.get(), timeout=left)
             except asyncio.TimeoutError:
                 return self._final_verdict()
-            await loop.run_in_executor(self.worker.executor, self._shadow, tapped)
+            await loop.run_in_executor(self._shadow_pool, self._shadow, tapped)
 
     def _shadow(self, tapped: Tapped) -> None:
-        """Run one tapped batch on the new version and compare (the low-priority thread)."""
+        """Run one tapped batch on the new version and compare (the shadow thread)."""
         axes = self.backend.output_batch_axes
         stacked = _stack(tapped.requests, axes)
         if stacked is None:
@@ -313,8 +331,8 @@ class ShadowCanary:
     def cost(self) -> tuple[float, float] | None:
         """CPU seconds a sample costs (old version, new version), None until both were seen.
 
-        CPU time, not the time a run takes: the shadow runs at low priority beside the serving
-        instances and is preempted for as long as they are busy, which would make any new
+        CPU time, not the time a run takes: the new version computes at low priority beside the
+        serving instances and is preempted for as long as they are busy, which would make any new
         version look slow on a loaded device. Each version's is the CPU time of its threads
         (the batcher's workers and the backend's pools, ``ModelService.version_threads``) over
         the samples it ran; where the old version's threads are not known, the process's less

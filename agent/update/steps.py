@@ -50,6 +50,7 @@ from agent.update.journal import BundleId
 from agent.update.priority import LowPriority
 from agent.update.updater import UpdateJob, Verdict
 from models.bundle import open_bundle
+from models.manifest import check_target
 
 if TYPE_CHECKING:
     from agent.daemon import Daemon
@@ -172,6 +173,11 @@ class DaemonSteps:
                               "'edge-agent update rollback' returns to the previous version)",
                               reason="downgrade", bundle_version=version,
                               serving_version=service.version)
+        try:
+            check_target(manifest, self.daemon.config.device_class)
+        except BundleError as exc:
+            raise UpdateError(f"the bundle is refused: {exc.message}", reason="wrong_target",
+                              **_facts(exc)) from exc
         _check_interface(manifest, service)
         return BundleId(name=name, version=version, sha256=sha256)
 
