@@ -268,6 +268,28 @@ def test_bundles_that_must_never_apply_are_refused_with_their_reason(
                      "version": 1}
 
 
+def test_the_new_versions_batch_limits_take_effect_at_the_swap(setup: dict[str, Any]) -> None:
+    bundle, _ = make_bundle(setup["dir"], version=2, key=setup["key"], manifest_extra={
+        "max_batch": 4, "opt_batch": 2,
+        "engine_profile": {"batch": [1, 2, 4], "height": [8, 16, 64], "width": [8, 16, 64]}})
+    daemon = _daemon(setup)
+
+    async def session(port: int) -> dict[str, Any]:
+        batcher = daemon.services["tiny"].batcher
+        before = (batcher.max_batch_size, batcher.policy.preferred_batch_sizes)
+        await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(bundle)})
+        config = json.loads(await _in_thread(_get, f"http://127.0.0.1:{port}/v2/models/tiny/config"))
+        return {"before": before, "after": (batcher.max_batch_size,
+                                            batcher.policy.preferred_batch_sizes),
+                "config": config}
+
+    out = run_foreground(daemon, session=session)
+    assert out["before"] == (32, (8,))
+    assert out["after"] == (4, (2,))
+    assert out["config"]["max_batch_size"] == 4
+    assert out["config"]["dynamic_batching"]["preferred_batch_size"] == [2]
+
+
 def test_a_downgrade_is_refused_and_a_rollback_returns_to_the_previous_version(
         setup: dict[str, Any]) -> None:
     directory: Path = setup["dir"]

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How long a command arriving as the daemon starts waits for the updater's recovery (a
+# recovery that finishes a rollback loads a model); past it, the command is refused as not_ready.
+RECOVERY_WAIT_S = 60.0
 # Where ``update.apply --wait`` stops waiting: the update ended, or its new version serves.
 _SETTLED = frozenset({UpdateState.IDLE.value, UpdateState.FAILED.value,
                       UpdateState.COMMITTED.value})
@@ -93,6 +96,7 @@ class UpdateCommands:
 
     async def apply(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         apply = protocol.ApplyArgs.from_json(args)
+        await self.updater.until_recovered(timeout_s=RECOVERY_WAIT_S)
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.updater.add_listener(events.put_nowait)
         try:
@@ -121,6 +125,7 @@ class UpdateCommands:
         return self.update_status()
 
     async def rollback(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+        await self.updater.until_recovered(timeout_s=RECOVERY_WAIT_S)
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.updater.add_listener(events.put_nowait)
         try:

@@ -363,6 +363,14 @@ class Updater:
         listener must not block; one that raises is logged and skipped."""
         self._listeners.append(listener)
 
+    async def until_recovered(self, *, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until :meth:`recover` has settled the last run, so that
+        a command arriving as the daemon starts waits instead of being refused."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (self._lock is None or self._recovery is None) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
     def running_update_id(self) -> str | None:
         """The id of the update (or rollback) running now, None when none does."""
         run = self._run
