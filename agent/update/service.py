@@ -107,17 +107,9 @@ class UpdateCommands:
                 raise UpdateError(f"not applied: {answer.detail}", reason=answer.result)
             if not apply.wait:
                 return self.update_status()
-            update_id = answer.update_id
-            while True:
-                event = await events.get()
-                if event.get("update_id") not in (None, update_id):
-                    continue
-                forwarded = _forward(event)
-                if forwarded is not None:
-                    emit(forwarded)
-                if event.get("event") == "outcome" or (
-                        event.get("event") == "state" and event.get("to") in _SETTLED):
-                    return self.update_status()
+            await self._forward_until_outcome(events, answer.update_id, emit,
+                                              until_committed=True)
+            return self.update_status()
         finally:
             self.updater.remove_listener(events.put_nowait)
 
@@ -137,9 +129,10 @@ class UpdateCommands:
             self.updater.remove_listener(events.put_nowait)
 
     async def _forward_until_outcome(self, events: asyncio.Queue[dict[str, Any]],
-                                     update_id: str | None, emit: Emit) -> None:
-        """Pass the update's events on until it ends (its outcome); at once when nothing
-        runs any more."""
+                                     update_id: str | None, emit: Emit, *,
+                                     until_committed: bool = False) -> None:
+        """Pass the update's events on until it ends (its outcome), or with
+        ``until_committed`` until its new version serves; at once when nothing runs any more."""
         while True:
             if self.updater.running_update_id() != update_id and events.empty():
                 return
@@ -149,7 +142,9 @@ class UpdateCommands:
             forwarded = _forward(event)
             if forwarded is not None:
                 emit(forwarded)
-            if event.get("event") == "outcome":
+            if event.get("event") == "outcome" or (
+                    until_committed and event.get("event") == "state"
+                    and event.get("to") in _SETTLED):
                 return
 
     def update_status(self) -> dict[str, Any]:
