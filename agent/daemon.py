@@ -143,7 +143,7 @@ class Daemon:
         make room."""
         self.store.open()
         self._collect_garbage()
-        return self.store.install(bundle)
+        return self.store.install(bundle, device_class=self.config.device_class)
 
     def make_current(self, artifacts: ModelArtifacts) -> None:
         """Activate an installed version, then delete versions beyond ``store.keep_versions``."""

@@ -329,3 +329,24 @@ def test_an_apply_needs_a_url_the_updater_can_fetch(setup: dict[str, Any]) -> No
         return "accepted"
 
     assert "http, https or file URL" in run_foreground(daemon, session=session)
+
+
+def test_serve_bundle_refuses_a_bundle_for_other_devices(setup: dict[str, Any]) -> None:
+    from agent.errors import BundleError
+
+    bundle, _ = make_bundle(setup["dir"] / "nano", version=5, key=setup["key"],
+                            manifest_extra={"targets": ["orin-nano-8gb"]})
+    daemon = Daemon(setup["config"])
+    try:
+        with pytest.raises(BundleError, match="for other devices"):
+            daemon.install(bundle)
+        assert 5 not in daemon.store.versions("tiny")
+    finally:
+        daemon.close()
+    nano = Daemon(load_config(None, env={}, overrides={
+        "state_dir": setup["config"].state_dir, "device_class": "orin-nano-8gb",
+        "trust.public_keys": list(setup["config"].trust.public_keys)}))
+    try:
+        assert nano.install(bundle).version == 5
+    finally:
+        nano.close()

@@ -38,7 +38,7 @@ from agent.store.pointer import (
 )
 from agent.store.verify import parse_installed_manifest, publishes_other_content, verify_installed
 from models.bundle import open_bundle
-from models.manifest import MANIFEST_MEMBER
+from models.manifest import MANIFEST_MEMBER, check_target
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class ModelStore:
 
     # -- changing -------------------------------------------------------------------------------
 
-    def install(self, bundle_path: Path) -> ModelArtifacts:
+    def install(self, bundle_path: Path, *, device_class: str | None = None) -> ModelArtifacts:
         """Verify a bundle and install its version (not activated).
 
         The bundle is verified completely first (signature, then every artifact hash, then
@@ -246,14 +246,18 @@ class ModelStore:
 
         Raises:
             SignatureError: the bundle is unsigned or not signed by a trusted key.
-            BundleError: the bundle is unsafe, tampered with, or needs a newer agent; or extracting
-                it failed. Nothing is installed.
+            BundleError: the bundle is unsafe, tampered with, needs a newer agent, or is for
+                other devices than ``device_class`` (when given; see
+                :func:`models.manifest.check_target`); or extracting it failed. Nothing is
+                installed.
             StoreError: this version is installed with a different manifest (versions are
                 immutable), or there is not enough free space.
         """
         self._require_open()
         bundle = open_bundle(Path(bundle_path), self._trusted_keys, agent_version=__version__)
         manifest = bundle.manifest
+        if device_class is not None:
+            check_target(manifest, device_class)
         ref = ModelRef(manifest["name"], manifest["version"])
         with self._lock:
             directory = self._version_dir(ref)
