@@ -118,7 +118,8 @@ def test_build_from_onnx_uses_agreement_without_labels(tmp_path, keys, digits_on
     with caplog.at_level("WARNING", logger="agent.cli.build"):
         assert main(["build", "--onnx", str(model_path), "--calib-dir", str(calib), "--key",
                      str(keys), "--out", str(out), "--calib-samples", "96", "--json",
-                     "--finetune-epochs", "3", "--round-to", "8"]) == 0
+                     "--finetune-epochs", "3", "--round-to", "8",
+                     "--target", "orin-nano-8gb", "--target", "orin-nx-16gb"]) == 0
     # Pruning settings without pruning change nothing, and the build says so.
     assert ["--round-to, --finetune-epochs only apply when pruning (--prune or "
             "--prune-target-macs): ignored"] == [record.getMessage() for record in caplog.records
@@ -133,6 +134,11 @@ def test_build_from_onnx_uses_agreement_without_labels(tmp_path, keys, digits_on
     assert report["accuracy"]["samples"]["judged"] == 32
     assert report["accuracy"]["dataset"].startswith("32 held-out samples")
     assert any("64 calibrate and the last 32 judge" in warning for warning in report["warnings"])
+    # The device classes it is for are in the signed manifest.
+    from models.bundle import inspect_bundle
+
+    bundle = next(out.glob("digits-*.bundle"))
+    assert inspect_bundle(bundle)["manifest"]["targets"] == ["orin-nano-8gb", "orin-nx-16gb"]
 
 
 def test_a_build_with_relative_paths(tmp_path, keys, digits_onnx, monkeypatch):

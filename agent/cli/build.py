@@ -115,6 +115,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument("--allow-no-int8", action="store_true",
                        help="accept a build that keeps every layer out of INT8 (an FP16 "
                             "bundle); without it such a build fails")
+    build.add_argument("--target", action="append", default=[], metavar="DEVICE_CLASS",
+                       dest="targets",
+                       help="a device class the bundle is for (again for more), such as "
+                            "orin-nano-8gb: a device applies it only when its device_class is "
+                            "one of them (default: any device)")
     build.add_argument("--threads", type=int, default=2, metavar="N",
                        help="CPU threads for PyTorch and ONNX Runtime on this host")
     build.add_argument("--engine", action="store_true",
@@ -222,6 +227,7 @@ def run_build(args: argparse.Namespace) -> int:
         evaluator=args.evaluator,
         search_time_s=args.search_time_s,
         allow_no_int8=args.allow_no_int8,
+        targets=tuple(args.targets),
         threads=args.threads,
         build_engine=args.engine,
         progress=sys.stderr.isatty(),

@@ -17,6 +17,8 @@ from models.pipeline.profile_shape import ProfileShape, check_profile_options
 from models.quantize.judges import OutputMetric
 from pruning.config import Importance, PruneConfig, Scope
 
+_TARGET = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
 
 MIN_AGENT_VERSION = "0.1.0"
 
@@ -76,11 +78,17 @@ class BuildOptions:
     search_time_s: float | None = None
     # Accept a build that keeps every layer out of INT8 (an FP16 bundle).
     allow_no_int8: bool = False
+    # Device classes the bundle is for (the manifest's targets; empty: any device).
+    targets: tuple[str, ...] = ()
     threads: int = 2
     build_engine: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
+        for target in self.targets:
+            if target != "*" and _TARGET.fullmatch(target) is None:
+                raise ConfigError('a --target is a device class, a slug such as orin-nano-8gb, '
+                                  'or "*"', key="--target", found=target)
         sources = [self.model is not None, self.user_model is not None, self.onnx is not None]
         if sum(sources) != 1:
             raise ConfigError("give exactly one of --model, --user-model or --onnx")

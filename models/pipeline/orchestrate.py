@@ -186,6 +186,7 @@ def _manifest(name: str, version: int, quantized: QuantizeResult, engines: dict[
         "accuracy": accuracy,
         "engines": engines,
         "min_agent_version": MIN_AGENT_VERSION,
+        **({"targets": list(options.targets)} if options.targets else {}),
     }
 
 
