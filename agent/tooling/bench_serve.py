@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
 import socket
 import statistics
 import subprocess
@@ -31,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from agent.tooling import loadgen
 from agent.errors import AgentError, ConfigError
+from agent.tooling import loadgen
+from agent.tooling.processes import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -238,15 +238,9 @@ class DaemonProcess:
         raise AgentError("the daemon did not become ready", timeout_s=timeout_s)
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        status = stop_process(self.process, timeout_s=30)
         self._log.close()
-        return int(self.process.returncode)
+        return status
 
 
 def run_bench(options: ServeBenchOptions) -> dict[str, Any]:

@@ -42,7 +42,6 @@ import asyncio
 import collections
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import AgentError, ConfigError
+from agent.tooling.processes import stop_process
 from agent.tooling import loadgen
 from agent.tooling.swapbench.bundles import FRAME_SHAPE, MODEL_NAME, BundleMaker
 from agent.tooling.swapbench.daemon import DaemonSpec
@@ -179,15 +179,9 @@ class DaemonProcess:
         return values
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        status = stop_process(self.process, timeout_s=60)
         self._log.close()
-        return int(self.process.returncode)
+        return status
 
 
 # -- updates over the control channel --------------------------------------------------------
