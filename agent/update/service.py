@@ -183,8 +183,11 @@ def _forward(event: dict[str, Any]) -> dict[str, Any] | None:
     """An updater event as the control channel's event, None for those it does not carry."""
     kind = event.get("event")
     if kind == "state":
+        # Entering failed: its code only; the command's final answer gives the whole reason.
+        message = (event.get("reason") if event["to"] == UpdateState.FAILED.value
+                   else event.get("detail") or event.get("reason"))
         return protocol.StateEvent(state=event["to"], previous=event.get("from"),
-                                   message=event.get("detail") or event.get("reason")).to_json()
+                                   message=message).to_json()
     if kind == "progress" and "received_bytes" in event:
         return protocol.ProgressEvent(done_bytes=int(event["received_bytes"]),
                                       total_bytes=event.get("total_bytes")).to_json()
