@@ -42,21 +42,29 @@ def cosine_score(reference: np.ndarray, test: np.ndarray) -> float:
     """Mean over samples (axis 0) of the cosine between each sample's FP32 and candidate values,
     steadied for near-empty samples (:data:`COSINE_FLOOR`): robust to sparse maps that are zero
     almost everywhere, where a relative error over the whole map is not."""
+    cosines = steadied_cosines(reference, test)
+    return float(np.clip(np.mean(cosines), -1.0, 1.0)) if cosines.size else 1.0
+
+
+def steadied_cosines(reference: np.ndarray, test: np.ndarray) -> np.ndarray:
+    """Each sample's cosine as :func:`cosine_score` takes it: a floor of :data:`COSINE_FLOOR`
+    of the samples' mean energy is added to both sides, so that a sample whose FP32 values are
+    almost all zero (a probability map of a photo with no text, values of 1e-6) is judged by
+    whether the candidate is almost zero too, not by the direction of its noise."""
     want, got = _comparable(reference, test)
     if want.shape[0] == 0:
-        return 1.0
+        return np.zeros(0)
     want = want.reshape(want.shape[0], -1)
     got = got.reshape(got.shape[0], -1)
     if not np.isfinite(got).all():
-        return 0.0
+        return np.zeros(want.shape[0])
     want_norms = np.einsum("ij,ij->i", want, want)
     got_norms = np.einsum("ij,ij->i", got, got)
     floor = (COSINE_FLOOR ** 2) * float(np.mean(want_norms))
     if floor == 0.0:
         floor = 1e-30  # every FP32 sample is zero: the candidate agrees only where it is zero too
-    cosines = (np.einsum("ij,ij->i", want, got) + floor) / np.sqrt(
+    return (np.einsum("ij,ij->i", want, got) + floor) / np.sqrt(
         (want_norms + floor) * (got_norms + floor))
-    return float(np.clip(np.mean(cosines), -1.0, 1.0))
 
 
 def cosine_similarity(reference: np.ndarray, test: np.ndarray) -> float:
