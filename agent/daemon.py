@@ -120,7 +120,7 @@ class Daemon:
         self.autoscaler = Autoscaler(self)
         if self.autoscaler.enabled:
             self.add_task("autoscaler", self.autoscaler.run)
-        self.update_metrics: UpdateMetrics | None = UpdateMetrics(
+        self.update_metrics = UpdateMetrics(
             updater.status, [state.value for state in UpdateState],
             lambda: {name: len(service.backends) for name, service in self.services.items()})
 
@@ -223,7 +223,7 @@ class Daemon:
             token=http.token.reveal() if http.token is not None else None,
             max_body_bytes=http.max_body_bytes,
             metrics_render=lambda: (metrics.render() + self.task_metrics.render()
-                                    + self._update_metrics_render()),
+                                    + self.update_metrics.render()),
             shm_root=self.shm_root, access_log=http.access_log)
         service.start()
         try:
@@ -272,9 +272,6 @@ class Daemon:
                              "'edge-agent serve --bundle B --pubkey PUB'",
                              state_dir=self.config.state_dir)
         return self.store.load(current.name, current.version)
-
-    def _update_metrics_render(self) -> bytes:
-        return self.update_metrics.render() if self.update_metrics is not None else b""
 
     def _current_or_previous(self) -> ModelArtifacts | None:
         """The current version; the previous one when the current one no longer verifies (a

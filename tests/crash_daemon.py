@@ -2,9 +2,10 @@
 (tests/test_update_crash.py): run as ``python -m tests.crash_daemon`` in a process of its own,
 which the tests SIGKILL.
 
-The configuration has no ``[update]`` section yet, so the canary's length, the watch window and
-the attempts budget come from flags here; everything else is ``serve``'s (the same configuration
-loading, the same :func:`agent.run.run_foreground` lifecycle and signal handling).
+The canary's length, the watch window and the attempts budget come from flags here, with a
+canary that never ends early (``[update]`` cannot say that); everything else is ``serve``'s (the
+same configuration loading, the same :func:`agent.run.run_foreground` lifecycle and signal
+handling).
 
 ``--hold STEP=S`` sleeps S seconds before the updater step STEP does its real work, and
 ``--hold-after STEP=S`` after it finished and before the updater journals the next state: a
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     check_can_listen(config.http.host, config.http.port)
     signal.signal(signal.SIGHUP, ignore_sighup)
     # min_samples out of reach: the canary lasts its whole duration, traffic or not.
-    canary = CanaryPolicy(duration_s=args.canary_s, min_samples=10**9, watch_s=args.watch_s,
+    canary = CanaryPolicy(duration_s=args.canary_s, min_samples=10**9,
                           watch_min_requests=10**9)
     policy = UpdatePolicy(watch_window_s=args.watch_s, max_failures=args.max_failures)
     download = DownloadPolicy(deadline_s=60.0, connect_timeout_s=2.0, stall_timeout_s=5.0,

@@ -90,7 +90,7 @@ def setup(tmp_path: Path) -> dict[str, Any]:
 
 
 def _daemon(setup: dict[str, Any], **canary: Any) -> Daemon:
-    policy = {"duration_s": 5.0, "min_samples": 16, "watch_s": 600.0,
+    policy = {"duration_s": 5.0, "min_samples": 16,
               "watch_min_requests": 20, **canary}
     return Daemon(setup["config"], canary_policy=CanaryPolicy(**policy),
                   update_policy=UpdatePolicy(watch_window_s=1.5))

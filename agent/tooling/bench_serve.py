@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 
 from agent.errors import AgentError, ConfigError
 from agent.tooling import loadgen
-from agent.tooling.processes import stop_process
+from agent.tooling.processes import stop_process, wait_ready
 
 log = logging.getLogger(__name__)
 
@@ -223,19 +222,8 @@ class DaemonProcess:
         self.url = f"http://127.0.0.1:{port}"
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AgentError("the daemon exited during start",
-                                 log=self.log_path.read_text(errors="replace")[-600:])
-            try:
-                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise AgentError("the daemon did not become ready", timeout_s=timeout_s)
+        wait_ready(self.process, lambda: self.url, timeout_s=timeout_s, poll_s=0.2,
+                   log_tail=lambda: self.log_path.read_text(errors="replace")[-600:])
 
     def stop(self) -> int:
         status = stop_process(self.process, timeout_s=30)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -80,7 +79,6 @@ class CanaryPolicy:
         max_latency_ratio: Largest CPU time a sample of the new version over the old one's.
         require_traffic: Fail (``no_traffic``) when nothing could be shadowed.
         queue_batches: Batches waiting for the shadow at most; more are skipped, not queued.
-        watch_s: The watch window after commit.
         watch_min_requests: Requests the watch needs before it judges latency and failures.
         watch_max_failure_rate: Largest share of failed requests after commit.
         watch_max_latency_ratio: Largest P95 latency after commit over the old version's.
@@ -94,13 +92,12 @@ class CanaryPolicy:
     max_latency_ratio: float = 3.0
     require_traffic: bool = False
     queue_batches: int = 4
-    watch_s: float = 600.0
     watch_min_requests: int = 50
     watch_max_failure_rate: float = 0.05
     watch_max_latency_ratio: float = 3.0
 
     def __post_init__(self) -> None:
-        for name in ("duration_s", "watch_s", "max_latency_ratio", "watch_max_latency_ratio"):
+        for name in ("duration_s", "max_latency_ratio", "watch_max_latency_ratio"):
             if not getattr(self, name) > 0:
                 raise ConfigError("must be positive", key=f"update.canary.{name}",
                                   found=getattr(self, name))
@@ -458,21 +455,16 @@ class HealthWatch(ServingObserver):
                 return HealthVerdict(False, "slow", self.figures())
         return None
 
-    async def run(self, *, until_regression: bool = False, poll_s: float = 0.25) -> HealthVerdict:
-        """The verdict at the first regression, or a pass at the end of ``watch_s`` (never,
-        with ``until_regression``: the updater ends the window by cancelling)."""
-        loop = asyncio.get_running_loop()
-        deadline = math.inf if until_regression else loop.time() + self.policy.watch_s
+    async def run(self, *, poll_s: float = 0.25) -> HealthVerdict:
+        """The verdict at the first regression; the updater ends the window (the watch
+        passing) by cancelling this."""
         while True:
             verdict = self.check()
             if verdict is not None:
                 return verdict
-            left = deadline - loop.time()
-            if left <= 0:
-                return HealthVerdict(True, "ok", self.figures())
             self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout=min(poll_s, left))
+                await asyncio.wait_for(self._changed.wait(), timeout=poll_s)
             except asyncio.TimeoutError:
                 pass
 

@@ -50,7 +50,6 @@ def policies(config: UpdateConfig) -> tuple[UpdatePolicy, CanaryPolicy, Download
                      min_agreement=config.canary_min_agreement,
                      max_latency_ratio=config.canary_max_latency_ratio,
                      require_traffic=config.canary_require_traffic,
-                     watch_s=config.watch_window_s,
                      watch_max_failure_rate=config.watch_max_failure_rate),
         DownloadPolicy(deadline_s=config.download_deadline_s,
                        stall_timeout_s=config.download_stall_timeout_s,

@@ -108,8 +108,6 @@ class DaemonSteps:
         self.downloads_dir = daemon.config.state_dir / DOWNLOADS_DIR
         self._candidate: _Loaded | None = None
         self._old_p95_s: float | None = None  # the old version's, measured during the canary
-        self.swap_seconds: list[float] = []
-        self.last_canary: dict[str, Any] | None = None
 
     # -- what serves ------------------------------------------------------------------------
 
@@ -208,7 +206,7 @@ class DaemonSteps:
 
     async def build_engine(self, job: UpdateJob) -> None:
         artifacts = await self._artifacts(job)
-        self._discard_candidate()
+        await self.close()  # a candidate of an earlier update, left loaded
         config = self.daemon.config
         policy = runtime.batch_policy(config, artifacts)
         worker = LowPriority(f"update-v{artifacts.version}")
@@ -269,7 +267,6 @@ class DaemonSteps:
             service.batcher.set_tap(None)
             unsubscribe()
         self._old_p95_s = canary.old_latency.p95_s()
-        self.last_canary = verdict.to_json()
         job.progress(canary=verdict.to_json())
         log.info("canary of %s v%d: %s", loaded.artifacts.name, loaded.version,
                  verdict.describe())
@@ -286,7 +283,6 @@ class DaemonSteps:
                                       drain_timeout_s=self.drain_timeout_s,
                                       backend_threads=loaded.worker.new_threads())
         swap_s = time.perf_counter() - started
-        self.swap_seconds.append(swap_s)
         self._candidate = None
         restored = loaded.worker.restore()
         # Its work is done: the next update loads on a worker of its own. (Left open, the idle
@@ -308,7 +304,7 @@ class DaemonSteps:
         unsubscribe = service.observers.subscribe(watch)
         service.batcher.set_tap(watch.tap)
         try:
-            verdict = await watch.run(until_regression=True)
+            verdict = await watch.run()
         finally:
             service.batcher.set_tap(None)
             unsubscribe()
@@ -318,11 +314,7 @@ class DaemonSteps:
     # -- undoing -----------------------------------------------------------------------------
 
     async def discard(self, job: UpdateJob) -> None:
-        candidate = self._candidate
-        self._candidate = None
-        if candidate is not None:
-            await asyncio.get_running_loop().run_in_executor(None, candidate.free)
-            candidate.worker.close()
+        await self.close()
         destination = self._destination(job.source) if job.source else None
         await asyncio.get_running_loop().run_in_executor(None, self._remove_files, destination)
 
@@ -389,15 +381,9 @@ class DaemonSteps:
                               "since?)", reason="not_loaded")
         return candidate
 
-    def _discard_candidate(self) -> None:
-        candidate = self._candidate
-        self._candidate = None
-        if candidate is not None:
-            candidate.free()
-            candidate.worker.close()
-
     async def close(self) -> None:
-        """Free a candidate left loaded (a daemon stopping mid-update)."""
+        """Free the candidate's instances, off the loop (a discarded update, a daemon stopping
+        mid-update)."""
         candidate = self._candidate
         self._candidate = None
         if candidate is not None:

@@ -47,14 +47,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.errors import AgentError, ConfigError
-from agent.tooling.processes import stop_process
+from agent.tooling.processes import stop_process, wait_ready
 from agent.tooling import loadgen
 from agent.tooling.swapbench.bundles import FRAME_SHAPE, MODEL_NAME, BundleMaker
 from agent.tooling.swapbench.daemon import DaemonSpec
@@ -148,22 +147,12 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace")[-size:]
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AgentError("the daemon exited during its start", status=self.process.
-                                 returncode, log=self.log_tail())
-            if self.spec.port_file.is_file():
-                self.url = f"http://127.0.0.1:{int(self.spec.port_file.read_text())}"
-                try:
-                    with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as reply:
-                        if reply.status == 200:
-                            return
-                except OSError:
-                    pass
-            time.sleep(0.1)
-        raise AgentError("the daemon did not become ready", timeout_s=timeout_s,
-                         log=self.log_tail())
+        def url() -> str | None:
+            port_file = self.spec.port_file
+            return (f"http://127.0.0.1:{int(port_file.read_text())}" if port_file.is_file()
+                    else None)
+
+        self.url = wait_ready(self.process, url, timeout_s=timeout_s, log_tail=self.log_tail)
 
     def resources(self) -> dict[str, float]:
         """The daemon's RSS (MiB), open file descriptors and threads, from /proc."""
