@@ -350,3 +350,43 @@ def test_serve_bundle_refuses_a_bundle_for_other_devices(setup: dict[str, Any]) 
         assert nano.install(bundle).version == 5
     finally:
         nano.close()
+
+
+def test_the_updates_file_work_and_loading_run_below_the_daemons_priority(
+        setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import agent.update.download as download_module
+    import agent.update.steps as steps_module
+    from agent.backends.onnxruntime import OnnxRuntimeBackend
+    from agent.store.store import ModelStore
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: dict[str, list[int]] = {}
+
+    def recording(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            seen.setdefault(name, []).append(
+                os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(download_module._Transfer, "run",
+                        recording("download", download_module._Transfer.run))
+    monkeypatch.setattr(steps_module, "open_bundle",
+                        recording("verify", steps_module.open_bundle))
+    monkeypatch.setattr(ModelStore, "install", recording("install", ModelStore.install))
+    monkeypatch.setattr(OnnxRuntimeBackend, "activate",
+                        recording("activate", OnnxRuntimeBackend.activate))
+    v2, _ = make_bundle(setup["dir"], version=2, key=setup["key"])
+    daemon = _daemon(setup, require_traffic=False)
+
+    async def session(port: int) -> dict[str, Any]:
+        seen.clear()  # the first version's instances were made at the daemon's priority
+        applied = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v2)})
+        await _until_idle(daemon)
+        return applied  # type: ignore[no-any-return]
+
+    assert run_foreground(daemon, session=session)["serving"]["version"] == 2
+    assert set(seen) == {"download", "verify", "install", "activate"}, seen
+    assert all(nice > base for values in seen.values() for nice in values), (base, seen)

@@ -51,6 +51,7 @@ from typing import Any, BinaryIO
 from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
 from agent import __version__
+from agent.update.priority import lower_this_thread
 from agent.errors import ConfigError, DownloadError, first_line
 from agent.fsutil import atomic_write_text, fsync_dir
 
@@ -220,6 +221,7 @@ async def download(source: str, destination: Path, *, policy: DownloadPolicy,
                          report=report)
 
     def work() -> None:
+        lower_this_thread()
         try:
             result = transfer.run()
         except BaseException as exc:  # handed to the awaiting task, which raises it

@@ -1,8 +1,9 @@
 """Low CPU priority for the work of an update, so that it does not take the serving instances' CPU.
 
 Loading a new version (ONNX Runtime session creation, a TensorRT engine build: minutes on a
-board), its warm-up and the canary's shadow runs happen on a thread whose nice value is
-:data:`LOAD_NICE_INCREMENT` above the daemon's. On Linux the nice value belongs to the thread, and
+board) and its warm-up happen on a thread whose nice value is :data:`LOAD_NICE_INCREMENT` above
+the daemon's (:class:`LowPriority`); so do the download, the bundle's checks and its installation
+into the store (:func:`lower_this_thread`, agent/update/steps.py). On Linux the nice value belongs to the thread, and
 threads inherit it from the thread that creates them: ONNX Runtime's intra-op pool, made when a
 session is created on that thread, runs at the same low priority.
 
@@ -47,6 +48,18 @@ def thread_nice(tid: int) -> int | None:
         return os.getpriority(os.PRIO_PROCESS, tid)
     except OSError:
         return None
+
+
+def lower_this_thread(increment: int = LOAD_NICE_INCREMENT) -> bool:
+    """Lower the calling thread's priority by ``increment`` (a thread of its own, such as a
+    download's); False, with a warning, where the system refuses."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+    except OSError as exc:
+        log.warning("could not lower the priority of an update's thread: %s", exc)
+        return False
+    return True
 
 
 class LowPriority:

@@ -75,6 +75,7 @@ def attach_updater(daemon: Daemon, *, policy: UpdatePolicy | None = None,
             await updater.run()
         finally:
             await steps.close()
+            steps.shutdown()
 
     daemon.add_task("updater", run)
     daemon.control.register(protocol.UPDATE_APPLY, commands.apply)

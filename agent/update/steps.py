@@ -21,8 +21,11 @@ rolling-back       after a commit, the version before it is loaded again, swappe
                    current; before, the candidate's instances are freed
 =================  ==============================================================================
 
-Nothing here blocks the event loop: the store, the backends and the bundle checks run on the
-candidate's low-priority thread (agent/update/priority.py) or the loop's default executor.
+Nothing here blocks the event loop, and nothing here takes the serving instances' CPU: the
+download runs on a thread of its own, the bundle checks and the store's file work on one
+``update-files`` thread, the candidate's loading and warm-up on its own thread, all three at low
+priority (agent/update/priority.py); the journal and the freeing of instances use the loop's
+default executor.
 """
 
 from __future__ import annotations
@@ -108,6 +111,10 @@ class DaemonSteps:
         self.downloads_dir = daemon.config.state_dir / DOWNLOADS_DIR
         self._candidate: _Loaded | None = None
         self._old_p95_s: float | None = None  # the old version's, measured during the canary
+        # The update's own file work (hashing, signature and member checks, installing into
+        # the store, loading it back, removing files) on one thread of low priority, like the
+        # candidate's loading: staging must not take the serving instances' CPU either.
+        self._files = LowPriority("update-files")
 
     # -- what serves ------------------------------------------------------------------------
 
@@ -149,11 +156,11 @@ class DaemonSteps:
             raise UpdateError("the downloaded bundle is gone", reason="not_downloaded",
                               path=path)
         loop = asyncio.get_running_loop()
-        sha256 = job.notes.get("sha256") or await loop.run_in_executor(None, _file_sha256, path)
+        sha256 = job.notes.get("sha256") or await loop.run_in_executor(self._files.executor, _file_sha256, path)
         keys = self.daemon.config.trust.keys
         try:
             bundle = await loop.run_in_executor(
-                None, lambda: open_bundle(path, keys, agent_version=__version__))
+                self._files.executor, lambda: open_bundle(path, keys, agent_version=__version__))
         except SignatureError as exc:
             raise UpdateError(f"the bundle's signature is not trusted: {exc.message}",
                               reason="bad_signature", **_facts(exc)) from exc
@@ -186,7 +193,7 @@ class DaemonSteps:
         store = self.daemon.store
         loop = asyncio.get_running_loop()
         try:
-            artifacts = await loop.run_in_executor(None, store.install, path)
+            artifacts = await loop.run_in_executor(self._files.executor, store.install, path)
         except (StoreError, BundleError) as exc:
             raise UpdateError(f"the bundle could not be installed: {exc.message}",
                               reason="install_failed", **_facts(exc)) from exc
@@ -194,7 +201,7 @@ class DaemonSteps:
         # The store has its own verified copy now, and nothing after staged reads the download
         # (a restart does not resume from staged on): left there, every committed update would
         # keep a bundle-sized file in downloads/ for good.
-        await loop.run_in_executor(None, lambda: path.unlink(missing_ok=True))
+        await loop.run_in_executor(self._files.executor, lambda: path.unlink(missing_ok=True))
 
     async def _artifacts(self, job: UpdateJob) -> ModelArtifacts:
         artifacts = job.notes.get("artifacts")
@@ -202,7 +209,8 @@ class DaemonSteps:
             return artifacts  # type: ignore[no-any-return]
         name, version = _require_bundle_ref(job)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.daemon.store.load, name, version)
+        return await loop.run_in_executor(self._files.executor, self.daemon.store.load, name,
+                                          version)
 
     async def build_engine(self, job: UpdateJob) -> None:
         artifacts = await self._artifacts(job)
@@ -294,7 +302,7 @@ class DaemonSteps:
                  len(old), restored)
         job.progress(swap_s=round(swap_s, 4))
         with contextlib.suppress(StoreError):
-            await loop.run_in_executor(None, store.garbage_collect)
+            await loop.run_in_executor(self._files.executor, store.garbage_collect)
 
     async def watch(self, job: UpdateJob) -> Verdict:
         service = self.service
@@ -380,6 +388,10 @@ class DaemonSteps:
             raise UpdateError("the new version's instances are not loaded (the daemon restarted "
                               "since?)", reason="not_loaded")
         return candidate
+
+    def shutdown(self) -> None:
+        """The daemon stops: end the file thread (after :meth:`close`)."""
+        self._files.close()
 
     async def close(self) -> None:
         """Free the candidate's instances, off the loop (a discarded update, a daemon stopping

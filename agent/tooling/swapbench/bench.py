@@ -12,7 +12,9 @@ URL, waiting for the outcome), exactly as ``edge-agent update apply`` sends them
 3. **Swaps**: ``swaps`` consecutive healthy updates. A swap lasts from the ``update.apply`` call
    to its answer that the new version is committed (download, verification, install, loading at
    low priority, warm-up, canary, commit and drain included). The updater then rests (its watch
-   window passes) and ``gap_s`` more of load runs before the next one.
+   window passes); the next bundle is made and ``gap_s`` more of load runs before it is applied
+   (the bundles are made by the process that runs the load: made during a swap, they would slow
+   its clients and be counted against the daemon).
    ``p99_swap_over_steady`` = P99 latency of the requests that overlapped a swap (sent before
    it ended and answered after it began) / P99 of the steady phase.
 4. **Misbehaving versions**: first one that disagrees with the serving version (its classifier
@@ -285,7 +287,10 @@ class _Run:
         options = self.options
         assert self.timeline.swaps is not None
         for index in range(options.swaps):
+            # The bundle is made (signed, packed) by this process, which also runs the load:
+            # made first, the load's clients are not slowed by it while the swap is measured.
             version, bundle = self._next()
+            time.sleep(options.gap_s)
             started = time.perf_counter()
             result = self.updates.apply(bundle)
             ended = time.perf_counter()
@@ -295,7 +300,6 @@ class _Run:
             self.updates.until_resting(options.watch_window_s + 30)
             print(f"swap {index + 1}/{options.swaps}: v{version} in {ended - started:.2f} s",
                   flush=True)
-            time.sleep(options.gap_s)
 
     def _check_committed(self, result: dict[str, Any], version: int, phase: str) -> bool:
         """Whether a healthy update was committed; one that was not is a finding, kept and
