@@ -36,8 +36,8 @@ def require_tensorrt(purpose: str) -> ModuleType:
     """The real TensorRT module, or an error that says what is importable instead."""
     module = require("tensorrt", extra="", purpose=purpose)
     if not is_tensorrt(module):
+        where = ", ".join(getattr(module, "__path__", [])) or "?"
         raise MissingDependencyError(
-            "tensorrt", "", f"{purpose}; the importable 'tensorrt' is not TensorRT but an empty "
-            f"namespace package (e.g. left by tensorrt-stubs) at "
-            f"{', '.join(getattr(module, '__path__', [])) or '?'}")
+            "tensorrt", "", purpose, found=f"the importable 'tensorrt' at {where} is not "
+            "TensorRT but an empty namespace package (tensorrt-stubs leaves one)")
     return module

@@ -137,9 +137,13 @@ class PowerError(AgentError):
 class MissingDependencyError(AgentError):
     """An optional dependency is not installed; the message names the extra that installs it."""
 
-    def __init__(self, module: str, extra: str, purpose: str) -> None:
+    def __init__(self, module: str, extra: str, purpose: str, *, found: str | None = None
+                 ) -> None:
         hint = f"pip install 'jetson-edge-agent[{extra}]'" if extra else "see README"
-        super().__init__(f"{purpose} needs the Python module '{module}' ({hint})", module=None)
+        message = f"{purpose} needs the Python module '{module}' ({hint})"
+        if found is not None:
+            message += f": {found}"
+        super().__init__(message, module=None)
         self.module = module
         self.extra = extra
 

@@ -464,6 +464,7 @@ def test_environment_booleans(text: str, expected: bool) -> None:
         ("EDGE_AGENT_HTTP_PORT", "eighty", "an integer"),
         ("EDGE_AGENT_HTTP_PORT", "", "an integer"),
         ("EDGE_AGENT_HTTP_PORT", "80.5", "an integer"),
+        ("EDGE_AGENT_HTTP_PORT", "8_0", "an integer"),  # Python's int() would read 80
         ("EDGE_AGENT_HTTP_ACCESS_LOG", "on", "one of true, false, 1, 0, yes, no"),
         ("EDGE_AGENT_SERVING_PREFERRED_BATCH_SIZES", "4,,8", "comma-separated integers"),
         ("EDGE_AGENT_STATE_DIR", "", "a path"),
@@ -711,3 +712,7 @@ def test_update_settings_are_numbers_with_bounds(tmp_path: Path) -> None:
         load_text(tmp_path, '[update]\ncanary_s = "soon"\n')
     with pytest.raises(ConfigError, match="EDGE_AGENT_UPDATE_WATCH_WINDOW_S"):
         load_config(env={"EDGE_AGENT_UPDATE_WATCH_WINDOW_S": "nan"})
+    assert load_config(env={"EDGE_AGENT_UPDATE_CANARY_S": " 2.5e1 "}).update.canary_s == 25.0
+    for text in ("1_0", "0x10", "1.5.2", "."):
+        with pytest.raises(ConfigError, match="EDGE_AGENT_UPDATE_CANARY_S"):
+            load_config(env={"EDGE_AGENT_UPDATE_CANARY_S": text})

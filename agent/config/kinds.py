@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +51,16 @@ def _bool_from_text(text: str) -> bool:
     return _BOOL_TEXT[text.strip().lower()]  # KeyError is a LookupError, caught as bad text
 
 
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+_FLOAT_TEXT = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
 def _int_from_text(text: str) -> int:
-    return int(text.strip(), 10)
+    # Plain decimal digits only: Python's int() also takes "8_0" (80) and non-ASCII digits.
+    text = text.strip()
+    if not _INT_TEXT.fullmatch(text):
+        raise ValueError
+    return int(text, 10)
 
 
 def _is_number(value: Any) -> bool:
@@ -67,7 +76,10 @@ def _float_from_toml(value: Any) -> float:
 
 
 def _float_from_text(text: str) -> float:
-    value = float(text.strip())
+    text = text.strip()
+    if not _FLOAT_TEXT.fullmatch(text):  # as for ints; also refuses "nan" and "inf"
+        raise ValueError
+    value = float(text)
     if not math.isfinite(value):
         raise ValueError
     return value
