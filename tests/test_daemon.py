@@ -650,3 +650,12 @@ def test_an_installed_but_never_current_version_is_named_at_start(
         capture_output=True, text=True, timeout=60, env=clean_env(), check=False)
     assert result.returncode == 1
     assert "no current model" in result.stderr and "installed=tiny v[1]" in result.stderr
+
+
+def test_bench_serve_refuses_a_concurrency_level_given_twice(tmp_path: Path) -> None:
+    from agent.errors import ConfigError
+    from agent.tooling.bench_serve import ServeBenchOptions, parse_levels
+
+    with pytest.raises(ConfigError, match="concurrency levels must differ"):
+        ServeBenchOptions(bundle=tmp_path / "b.bundle", public_keys=(),
+                          concurrency=parse_levels("4,4"))

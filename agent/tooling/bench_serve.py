@@ -58,6 +58,10 @@ class ServeBenchOptions:
         if not self.concurrency or min(self.concurrency) < 1:
             raise ConfigError("concurrency levels must be >= 1", key="--concurrency",
                               found=list(self.concurrency))
+        if len(set(self.concurrency)) != len(self.concurrency):
+            # A repeated level would be measured twice and printed as two rows of one level.
+            raise ConfigError("concurrency levels must differ", key="--concurrency",
+                              found=list(self.concurrency))
         if self.rounds < 1:
             raise ConfigError("need at least one round", key="--rounds", found=self.rounds)
         if not self.duration_s >= MIN_WINDOW_S:  # also refuses NaN
