@@ -248,7 +248,7 @@ def _check_output_shapes(
 ) -> None:
     try:
         found = output_shapes(model, example_input)
-    except (RuntimeError, ValueError, IndexError) as exc:
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         raise PruningError(
             "the pruned model no longer runs: some layer depends on a channel count that pruning "
             "changed (a hard-coded view or reshape, or attention heads); keep the layers around it "
