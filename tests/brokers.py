@@ -21,6 +21,7 @@ import http.client
 import ipaddress
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,9 +39,17 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 if TYPE_CHECKING:
     from agent.fleet.mqtt import BrokerOptions
 
-MOSQUITTO = Path("/usr/sbin/mosquitto")
-MOSQUITTO_PASSWD = Path("/usr/bin/mosquitto_passwd")
-NATS_SERVER = Path("/usr/sbin/nats-server")
+
+
+def _binary(name: str) -> Path:
+    """``name`` on PATH, else in /usr/sbin (where Debian puts the brokers; often off PATH)."""
+    found = shutil.which(name)
+    return Path(found) if found else Path("/usr/sbin") / name
+
+
+MOSQUITTO = _binary("mosquitto")
+MOSQUITTO_PASSWD = _binary("mosquitto_passwd")
+NATS_SERVER = _binary("nats-server")
 
 RESERVED_PORTS = frozenset({1883, 4222, 8883, 6222, 8222})  # the shared brokers' and NATS defaults
 START_TIMEOUT_S = 15.0
