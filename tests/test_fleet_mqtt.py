@@ -273,6 +273,24 @@ def test_with_persistence_a_clean_broker_restart_keeps_sessions_and_retained_mes
     run(scenario())
 
 
+def test_a_broker_that_stops_answering_is_noticed_by_the_keepalive(tmp_path: Path) -> None:
+    # SIGSTOP: the socket stays open and silent, as on a link that died without a reset.
+    async def scenario() -> None:
+        with Mosquitto(tmp_path / "mosquitto") as mosquitto:
+            async with links() as make:
+                device, _ = await make(mosquitto.options("dev-1", keepalive_s=1, **FAST))
+                assert mosquitto.pid is not None
+                os.kill(mosquitto.pid, signal.SIGSTOP)
+                try:
+                    await eventually(lambda: not device.connected, "the keepalive to fire")
+                finally:
+                    os.kill(mosquitto.pid, signal.SIGCONT)
+                await device.wait_connected(WAIT_S)
+                assert device.connect_count == 2
+
+    run(scenario())
+
+
 # -- the Last Will -----------------------------------------------------------------------------
 
 WILL_CLIENT = """
@@ -344,6 +362,27 @@ def test_a_clean_stop_sends_no_will(broker: Mosquitto) -> None:
             await marker.publish("marker", b"after the stop")
             assert (await watcher.next()).payload == b"after the stop"
             assert watcher.queue.empty()
+
+    run(scenario())
+
+
+def test_run_as_a_supervised_task_disconnects_cleanly_when_cancelled(broker: Mosquitto) -> None:
+    topic = "edge/f/dev-1/online"
+
+    async def scenario() -> None:
+        async with links() as make:
+            _, watcher = await make(broker.options("watcher"), [(topic, 1), ("marker", 1)])
+            device = MqttLink(broker.options("dev-1"), subscriptions=[],
+                              on_message=Inbox().on_message, will=Will(topic, b"offline"))
+            task = asyncio.create_task(device.run())
+            await eventually(lambda: device.connected, "run() to connect")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not device.connected
+            marker, _ = await make(broker.options("marker"))
+            await marker.publish("marker", b"after the cancel")
+            assert (await watcher.next()).payload == b"after the cancel"
 
     run(scenario())
 

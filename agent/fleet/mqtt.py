@@ -280,13 +280,17 @@ class MqttLink:
 
         Raises:
             FleetError: not connected within ``timeout_s`` (reason ``timeout``, with the last
-                connection error in ``last_error``), or at once when the broker refused us
-                (``bad_credentials``, ``not_authorized``, ``tls``...: retrying cannot help until
-                a configuration changes; the link still retries in the background).
+                connection error in ``last_error``), or at once when the last attempt was
+                refused (``bad_credentials``, ``not_authorized``, ``tls``...: retrying cannot help
+                until a configuration changes; the link still retries in the background, with
+                backoff), or when the link is not running (``stopped``).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while not self._connected:
+            if self._thread is None:
+                raise FleetError("the MQTT link is not running (not started, or stopped)",
+                                 reason="stopped", client_id=self.options.client_id)
             if self._problem is not None and self._problem.refusal:
                 raise self._problem.error()
             remaining = deadline - loop.time()
