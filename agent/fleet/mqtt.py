@@ -413,8 +413,10 @@ class MqttLink:
         protocol = PROTOCOLS[options.protocol]
         client = paho.Client(
             CallbackAPIVersion.VERSION2, client_id=options.client_id, protocol=protocol,
-            # MQTT 5 takes clean_start on connect instead; 3.1.1 keeps the session this way.
-            clean_session=None if self._v5 else False,
+            # MQTT 5 takes clean_start on connect instead; 3.1.1 keeps the session this way,
+            # except for a client that asked for none (an expiry of 0: an operator's one-off
+            # command, which would otherwise leave a session on the broker for good).
+            clean_session=None if self._v5 else options.session_expiry_s == 0,
             # Our own thread reconnects; this also stops paho's silent downgrade to MQTT 3.1.
             reconnect_on_failure=False,
             manual_ack=True,
