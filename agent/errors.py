@@ -125,6 +125,19 @@ class DownloadError(UpdateError):
     """A bundle could not be fetched from its source."""
 
 
+class FleetError(AgentError):
+    """Fleet control over MQTT cannot go on: the broker is unreachable or refused us, a publish
+    was not acknowledged in time, a fleet document is malformed or unsigned.
+
+    ``reason`` is a short stable code (``timeout``, ``not_authorized``, ``bad_credentials``,
+    ``tls``...) that callers and the fleet side read; the message says it in words.
+    """
+
+    def __init__(self, message: str, *, reason: str, **fields: Any) -> None:
+        super().__init__(message, reason=reason, **fields)
+        self.reason = reason
+
+
 class ControlError(AgentError):
     """The local control channel to the running daemon cannot be used (no daemon, no permission,
     a malformed request)."""
