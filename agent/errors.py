@@ -143,11 +143,6 @@ class ControlError(AgentError):
     a malformed request)."""
 
 
-class FleetError(AgentError):
-    """Fleet control over MQTT cannot go on: a broker that cannot be reached, a document that
-    cannot be used, a rollout that cannot be driven."""
-
-
 class PowerError(AgentError):
     """Board power or clock control failed."""
 

@@ -154,7 +154,7 @@ def bundle_url(base_url: str, entry: IndexEntry) -> str:
     under (``https://files.example/bundles`` or with a trailing slash)."""
     if not base_url:
         raise FleetError("no artifact base URL is configured ([artifacts] base_url in "
-                         "fleet.toml, or --base-url)")
+                         "fleet.toml, or --base-url)", reason="no_base_url")
     return base_url.rstrip("/") + "/" + quote(entry.path)
 
 
@@ -174,7 +174,7 @@ def publish_bundle(bundle: Path, directory: Path, trusted_keys: Iterable[Ed25519
     keys = list(trusted_keys)
     if not keys:
         raise FleetError("publishing needs the public keys bundles are signed with "
-                         "(--pubkey, or [artifacts] bundle_keys in fleet.toml)")
+                         "(--pubkey, or [artifacts] bundle_keys in fleet.toml)", reason="no_keys")
     verified = open_bundle(bundle, keys)
     manifest = verified.manifest
     name, version = manifest["name"], manifest["version"]
@@ -198,7 +198,7 @@ def _add(bundle: Path, directory: Path, name: str, version: int, sha256: str, si
         if existing.sha256 != sha256:
             raise FleetError("this name and version are published already with other bytes; "
                              "a published version never changes (give the new build a new "
-                             "version)", model=name, version=version,
+                             "version)", reason="duplicate_version", model=name, version=version,
                              published_sha256=existing.sha256, bundle_sha256=sha256,
                              path=directory / existing.path)
     entry = IndexEntry(name=name, version=version, sha256=sha256, size=size,
@@ -211,7 +211,7 @@ def _add(bundle: Path, directory: Path, name: str, version: int, sha256: str, si
             copied_sha256, copied_size = sha256_file(temporary)
             if (copied_sha256, copied_size) != (sha256, size):
                 raise FleetError("the bundle changed while it was being published",
-                                 path=bundle, expected=sha256, found=copied_sha256)
+                                 reason="changed", path=bundle, expected=sha256, found=copied_sha256)
         entries = [other for other in index.entries if (other.name, other.version)
                    != (name, version)] + [entry]
         atomic_write_text(directory / INDEX_NAME,

@@ -37,7 +37,7 @@ def locked(path: Path, *, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     raise FleetError("another edge-agent fleet command holds this lock",
-                                     path=path, waited_s=wait_s) from None
+                                     reason="locked", path=path, waited_s=wait_s) from None
                 time.sleep(_POLL_S)
         yield
     finally:
