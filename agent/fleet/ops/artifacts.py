@@ -110,7 +110,7 @@ class ArtifactIndex:
         if entry is None:
             known = sorted(entry.version for entry in self.entries if entry.name == name)
             raise FleetError("this model version is not in the artifact index; publish it "
-                             "first ('edge-agent fleet publish')", model=name, version=version,
+                             "first ('edge-agent fleet publish')", reason="not_published", model=name, version=version,
                              index=self.directory / INDEX_NAME,
                              published_versions=",".join(map(str, known)) or "none")
         return entry
