@@ -125,7 +125,20 @@ class DownloadError(UpdateError):
     """A bundle could not be fetched from its source."""
 
 
-class DocumentError(AgentError):
+class FleetError(AgentError):
+    """Fleet control over MQTT cannot go on: the broker is unreachable or refused us, a publish
+    was not acknowledged in time, a fleet document is malformed or unsigned.
+
+    ``reason`` is a short stable code (``timeout``, ``not_authorized``, ``bad_credentials``,
+    ``tls``...) that callers and the fleet side read; the message says it in words.
+    """
+
+    def __init__(self, message: str, *, reason: str, **fields: Any) -> None:
+        super().__init__(message, reason=reason, **fields)
+        self.reason = reason
+
+
+class DocumentError(FleetError):
     """A fleet document or its signed envelope (agent/fleet/documents.py) is refused: malformed,
     too large, of the wrong kind, badly signed, or not meant for this device.
 
@@ -137,7 +150,6 @@ class DocumentError(AgentError):
     def __init__(self, message: str, *, reason: str, field: str | None = None,
                  **fields: Any) -> None:
         super().__init__(message, reason=reason, field=field, **fields)
-        self.reason = reason
         self.field = field
 
 
