@@ -603,10 +603,13 @@ class FleetDevice:
         applied = None
         if serving is not None and serving.name is not None and serving.version is not None:
             sha256 = serving.sha256
-            bundle = (outcome or {}).get("bundle") or {}
-            if sha256 is None and (bundle.get("name"), bundle.get("version")) == (
-                    serving.name, serving.version):
-                sha256 = bundle.get("sha256")
+            # The steps may not know the sha256 of what serves; the updater's record of the
+            # update that made it serve (running or last) does.
+            for bundle in ((status.get("update") or {}).get("bundle") or {},
+                           (outcome or {}).get("bundle") or {}):
+                if sha256 is None and (bundle.get("name"), bundle.get("version")) == (
+                        serving.name, serving.version):
+                    sha256 = bundle.get("sha256")
             applied = Applied(name=serving.name, version=serving.version, sha256=sha256)
         error = None
         if outcome and outcome.get("result") == "failed":
