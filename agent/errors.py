@@ -138,7 +138,7 @@ class FleetError(AgentError):
         self.reason = reason
 
 
-class DocumentError(AgentError):
+class DocumentError(FleetError):
     """A fleet document or its signed envelope (agent/fleet/documents.py) is refused: malformed,
     too large, of the wrong kind, badly signed, or not meant for this device.
 
@@ -150,7 +150,6 @@ class DocumentError(AgentError):
     def __init__(self, message: str, *, reason: str, field: str | None = None,
                  **fields: Any) -> None:
         super().__init__(message, reason=reason, field=field, **fields)
-        self.reason = reason
         self.field = field
 
 

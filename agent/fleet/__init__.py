@@ -1,1 +1,1 @@
-"""Fleet control over MQTT (design §5.3): topics, documents, the broker link, the device side."""
+"""Fleet control over MQTT: the broker link, the documents and topics, the device control plane."""
