@@ -288,6 +288,9 @@ def test_a_deploy_killed_mid_way_is_resumed_and_then_taken_over_by_watch(
             # Its heartbeat is fresh: a plain resume refuses to drive it alongside.
             refused = await cli(fleet, "deploy", "--resume", "r-kill", expect=1)
             assert "another process is driving this rollout" in refused.output
+            # Nor does another rollout get the same devices meanwhile.
+            other = await cli(fleet, "deploy", "tiny", "2", "--devices", "cam-4", expect=1)
+            assert "in a rollout that has not ended" in other.output and "r-kill" in other.output
             second = await Cli(fleet, "deploy", "--resume", "r-kill", "--take-over").start()
             await second.until("stage 2/3 started")
             second.kill()

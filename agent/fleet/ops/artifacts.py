@@ -225,6 +225,3 @@ def _add(bundle: Path, directory: Path, name: str, version: int, sha256: str, si
 def _utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
-
-def index_path(directory: Path) -> Path:
-    return Path(directory) / INDEX_NAME

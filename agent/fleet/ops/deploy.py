@@ -35,14 +35,12 @@ from agent.fleet.ops.artifacts import ArtifactIndex, bundle_url
 from agent.fleet.ops.operator import OperatorLink
 from agent.fleet.ops.rollout import (
     Driver,
-    Policy,
     PublishDesired,
     Rollout,
     SendCommand,
     advance,
     begin_rollback,
     changes,
-    new_rollout,
     snapshot,
 )
 from agent.fsutil import atomic_write_text, read_bounded
@@ -50,11 +48,14 @@ from agent.fsutil import atomic_write_text, read_bounded
 __all__ = [
     "DriveOptions",
     "RolloutDriver",
+    "busy_devices",
     "driver_id",
+    "driver_is_fresh",
     "index_resolver",
     "load_local",
     "make_rollout_id",
     "pick_for_resume",
+    "turn_back",
 ]
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,14 @@ def pick_for_resume(link: OperatorLink, rollout_id: str, local_dir: Path | None)
         raise FleetError("no such rollout on the broker or in this workspace", reason="unknown",
                          rollout=rollout_id, known=",".join(known[-10:]) or "none")
     return max(candidates, key=lambda rollout: rollout.revision)
+
+
+def busy_devices(link: OperatorLink, devices: Sequence[str]) -> dict[str, str]:
+    """The devices of ``devices`` that a rollout not yet ended holds (device -> rollout id):
+    two rollouts giving one device different models would undo each other."""
+    wanted = set(devices)
+    return {device: rollout.rollout_id for rollout in link.view.rollouts.values()
+            if not rollout.final for device in rollout.devices if device in wanted}
 
 
 def driver_is_fresh(rollout: Rollout, now: datetime.datetime, stale_after_s: float) -> bool:
@@ -278,21 +287,6 @@ class RolloutDriver:
             held = self.link.view.desired.get(device)
             if held is None or held.version < wanted.version:
                 await self._perform(PublishDesired(wanted))
-
-
-async def create_and_drive(link: OperatorLink, *, fleet: str, model: ModelSpec,
-                           devices: Sequence[str], policy: Policy,
-                           rollout_id: str | None = None, **driver_args: object) -> Rollout:
-    """Plan a new rollout from the view of the fleet now, and drive it."""
-    now = utc_now()
-    rollout = new_rollout(fleet=fleet, rollout_id=rollout_id or make_rollout_id(model, now),
-                          model=model, devices=devices, policy=policy, now=now,
-                          views=link.view.views(devices))
-    if rollout.rollout_id in link.view.rollouts:
-        raise FleetError("a rollout with this id exists already", reason="exists",
-                         rollout=rollout.rollout_id)
-    driver = RolloutDriver(link, rollout, **driver_args)  # type: ignore[arg-type]
-    return await driver.run()
 
 
 def turn_back(rollout: Rollout, link: OperatorLink, now: datetime.datetime) -> None:
