@@ -61,6 +61,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+# Publications in flight at once (paho keeps up to 1000 queued; the broker's receive maximum is
+# usually higher than this).
+PUBLISH_BATCH = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,8 +219,7 @@ class RolloutDriver:
             actions = advance(self.rollout, self.link.view.views(list(self.rollout.devices)),
                               now, resolve=self._resolve)
             await self._publish_rollout(now)
-            for action in actions:
-                await self._perform(action)
+            await self._perform_all(actions)
             self._say(changes(self._shown, self.rollout))
             self._shown = snapshot(self.rollout)
             if self.rollout.final and self._published == self._content():
@@ -276,17 +278,26 @@ class RolloutDriver:
             # leaves its device to the rollback timeout.
             log.warning("publishing to %s failed: %s", action.document.device, exc)
 
+    async def _perform_all(self, actions: Sequence[PublishDesired | SendCommand]) -> None:
+        """Publish a stage's documents a batch at a time: each publication waits for its
+        acknowledgement, and a stage of hundreds must not wait for them one by one."""
+        for start in range(0, len(actions), PUBLISH_BATCH):
+            await asyncio.gather(*(self._perform(action)
+                                   for action in actions[start:start + PUBLISH_BATCH]))
+
     async def _repair(self) -> None:
         """Republish what the broker does not have: the rollout document, and each device's
         desired document when the broker's is older than the rollout's."""
         await self._publish_rollout(self._clock(), force=True)
+        missing: list[PublishDesired | SendCommand] = []
         for device in sorted(self.rollout.devices):
             wanted = self.rollout.wanted_desired(device)
             if wanted is None:
                 continue
             held = self.link.view.desired.get(device)
             if held is None or held.version < wanted.version:
-                await self._perform(PublishDesired(wanted))
+                missing.append(PublishDesired(wanted))
+        await self._perform_all(missing)
 
 
 def turn_back(rollout: Rollout, link: OperatorLink, now: datetime.datetime) -> None:
