@@ -124,7 +124,9 @@ def load_authority(cert_path: Path, key_path: Path) -> Authority:
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise KeyFileError("the CA key is not an EC private key", path=key_path,
                            found=type(key).__name__)
-    if key.public_key().public_numbers() != certificate.public_key().public_numbers():  # type: ignore[union-attr]
+    certified = certificate.public_key()
+    if not isinstance(certified, ec.EllipticCurvePublicKey) or (
+            key.public_key().public_numbers() != certified.public_numbers()):
         raise KeyFileError("the CA key does not belong to the CA certificate", path=key_path,
                            certificate=cert_path)
     return Authority(certificate, key, cert_path, key_path)
