@@ -340,3 +340,53 @@ def test_mqtt_311_mode_answers_on_resp_request_id_and_converges(fleet: dict[str,
                 await operator.until(lambda: operator.committed("cam-1", 2), "v2 committed")
 
     run(scenario)
+
+
+def test_edge_agent_serve_runs_the_control_plane_and_its_will_says_offline(
+        fleet: dict[str, Any]) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_daemon import wait_ready
+    from tests.brokers import free_port
+
+    state = fleet["dir"] / "served"
+    config_file = fleet["dir"] / "agent.toml"
+    config_file.write_text(
+        f'state_dir = "{state}"\ndevice_id = "cam-9"\n'
+        f'[http]\nport = {free_port()}\n[serving]\nbackend = "onnxruntime"\n'
+        '[update]\ncanary_s = 0.3\nwatch_window_s = 0.5\n'
+        f'[fleet]\nenabled = true\nbroker = "127.0.0.1"\nport = {fleet["broker"].port}\n'
+        f'tls = false\nfleet = "{FLEET}"\npublic_keys = ["{fleet["fleet_pub"]}"]\n'
+        'reconnect_min_s = 0.05\nreconnect_max_s = 0.5\n')
+    http_port = int(config_file.read_text().split("port = ")[1].split("\n")[0])
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("EDGE_AGENT_")}
+
+    def serve() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "agent", "serve", "--config", str(config_file), "--bundle",
+             str(fleet["bundles"][1]), "--pubkey", str(fleet["bundle_pub"])],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+
+    async def scenario() -> None:
+        async with Operator(fleet["broker"], fleet["fleet_key"]) as operator:
+            online = f"edge/{FLEET}/cam-9/online"
+            process = serve()
+            try:
+                await asyncio.to_thread(wait_ready, http_port, process)
+                await operator.until(lambda: operator.reported("cam-9") is not None,
+                                     "the served daemon's report")
+                assert docs.decode(operator.on(online)[-1].payload).online
+                await operator.desired("cam-9", 1, fleet["bundles"][2])
+                await operator.until(lambda: operator.committed("cam-9", 2), "v2 committed")
+            finally:
+                process.send_signal(signal.SIGKILL)  # no clean disconnect: the Will goes
+                await asyncio.to_thread(process.communicate, timeout=30)
+            await operator.until(
+                lambda: not docs.decode(operator.on(online)[-1].payload).online,
+                "the Last Will")
+
+    run(scenario)
