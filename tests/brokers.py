@@ -17,9 +17,11 @@ module at import time, so a benchmark can use it without pulling in pytest.
 from __future__ import annotations
 
 import datetime
+import http.client
 import ipaddress
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,9 +39,17 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 if TYPE_CHECKING:
     from agent.fleet.mqtt import BrokerOptions
 
-MOSQUITTO = Path("/usr/sbin/mosquitto")
-MOSQUITTO_PASSWD = Path("/usr/bin/mosquitto_passwd")
-NATS_SERVER = Path("/usr/sbin/nats-server")
+
+
+def _binary(name: str) -> Path:
+    """``name`` on PATH, else in /usr/sbin (where Debian puts the brokers; often off PATH)."""
+    found = shutil.which(name)
+    return Path(found) if found else Path("/usr/sbin") / name
+
+
+MOSQUITTO = _binary("mosquitto")
+MOSQUITTO_PASSWD = _binary("mosquitto_passwd")
+NATS_SERVER = _binary("nats-server")
 
 RESERVED_PORTS = frozenset({1883, 4222, 8883, 6222, 8222})  # the shared brokers' and NATS defaults
 START_TIMEOUT_S = 15.0
@@ -395,3 +405,176 @@ class Mosquitto:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=STOP_TIMEOUT_S)
+
+
+# -- a NATS cluster's MQTT gateway --------------------------------------------------------------
+
+def mqtt_connects(port: int, host: str = "127.0.0.1", timeout_s: float = 5.0) -> bool:
+    """Whether an MQTT 3.1.1 CONNECT (clean session, a throwaway id) gets an accepting CONNACK:
+    a NATS node answers only once JetStream and its MQTT streams are ready."""
+    client_id = f"probe-{os.getpid()}-{time.monotonic_ns()}".encode()
+    variable = b"\x00\x04MQTT\x04\x02\x00\x3c"
+    payload = len(client_id).to_bytes(2, "big") + client_id
+    body = variable + payload
+    packet = b"\x10" + bytes([len(body)]) + body + b"\xe0\x00"  # CONNECT, then DISCONNECT
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(packet[:-2])
+            answer = b""
+            while len(answer) < 4:
+                chunk = sock.recv(4 - len(answer))
+                if not chunk:
+                    return False
+                answer += chunk
+            sock.sendall(packet[-2:])
+            return answer[0] == 0x20 and answer[3] == 0
+    except OSError:
+        return False
+
+
+@dataclass
+class _NatsNode:
+    name: str
+    directory: Path
+    client_port: int
+    http_port: int
+    cluster_port: int
+    mqtt_port: int
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_file(self) -> Path:
+        return self.directory / "nats-server.log"
+
+
+class NatsCluster:
+    """A cluster of ``nodes`` nats-server processes (2.9: MQTT 3.1.1 only), each with JetStream
+    (its own store directory) and an MQTT listener, joined by cluster routes. NATS keeps MQTT
+    sessions and retained messages in JetStream streams replicated across the cluster, so a
+    retained message published on one node is delivered to a subscriber on another.
+
+    NATS's MQTT gateway needs a ``server_name`` per node and JetStream; the first MQTT connection
+    creates the streams (a few seconds), which :meth:`start` waits for.
+    """
+
+    def __init__(self, directory: Path, *, nodes: int = 3, name: str = "edge-test") -> None:
+        if nodes < 1:
+            raise ValueError("a cluster needs a node")
+        self.directory = directory
+        self.name = name
+        taken: set[int] = set()
+
+        def port() -> int:
+            chosen = free_port(exclude=taken)
+            taken.add(chosen)
+            return chosen
+
+        self.nodes = [_NatsNode(f"n{index + 1}", directory / f"n{index + 1}", port(), port(),
+                                port(), port()) for index in range(nodes)]
+
+    def start(self, timeout_s: float = 60.0) -> NatsCluster:
+        """Start every node; returns once each one's JetStream is healthy and its MQTT listener
+        accepts a connection."""
+        for node in self.nodes:
+            node.directory.mkdir(parents=True, exist_ok=True)
+            (node.directory / "nats.conf").write_text(self._config(node))
+        for index in range(len(self.nodes)):
+            self._spawn(index)
+        deadline = time.monotonic() + timeout_s
+        for index in range(len(self.nodes)):
+            self._wait_ready(index, deadline)
+        return self
+
+    def mqtt_port(self, node: int) -> int:
+        return self.nodes[node].mqtt_port
+
+    def options(self, client_id: str, *, node: int = 0, **overrides: Any) -> BrokerOptions:
+        """Broker options for an MQTT 3.1.1 client of node ``node`` (0-based)."""
+        from agent.fleet.mqtt import BrokerOptions
+
+        overrides.setdefault("protocol", "3.1.1")
+        return BrokerOptions(host="127.0.0.1", port=self.mqtt_port(node), client_id=client_id,
+                             **overrides)
+
+    def kill(self, node: int) -> None:
+        """SIGKILL one node."""
+        process = self.nodes[node].process
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(timeout=STOP_TIMEOUT_S)
+
+    def restart(self, node: int, timeout_s: float = 60.0) -> None:
+        """Start a node again (same ports, same store) and wait until it is ready."""
+        self.kill(node)
+        self._spawn(node)
+        self._wait_ready(node, time.monotonic() + timeout_s)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            process = node.process
+            if process is None or process.poll() is not None:
+                continue
+            process.terminate()
+        for node in self.nodes:
+            process = node.process
+            if process is None:
+                continue
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=STOP_TIMEOUT_S)
+            node.process = None
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _config(self, node: _NatsNode) -> str:
+        routes = ", ".join(f"nats-route://127.0.0.1:{other.cluster_port}"
+                           for other in self.nodes if other is not node)
+        lines = [
+            "# generated by tests/brokers.py",
+            f"server_name: {node.name}",
+            f"listen: 127.0.0.1:{node.client_port}",
+            f"http: 127.0.0.1:{node.http_port}",
+            f'jetstream {{ store_dir: "{node.directory / "jetstream"}" }}',
+        ]
+        if len(self.nodes) > 1:
+            lines.append(f"cluster {{ name: {self.name}; listen: 127.0.0.1:{node.cluster_port}; "
+                         f"routes: [{routes}] }}")
+        lines.append(f"mqtt {{ listen: 127.0.0.1:{node.mqtt_port} }}")
+        return "\n".join(lines) + "\n"
+
+    def _spawn(self, index: int) -> None:
+        node = self.nodes[index]
+        with node.log_file.open("ab") as log:
+            log.write(f"--- start {time.strftime('%H:%M:%S')}\n".encode())
+            log.flush()
+            node.process = subprocess.Popen(
+                [str(NATS_SERVER), "-c", str(node.directory / "nats.conf")],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=node.directory)
+
+    def _wait_ready(self, index: int, deadline: float) -> None:
+        node = self.nodes[index]
+        while time.monotonic() < deadline:
+            if node.process is None or node.process.poll() is not None:
+                raise BrokerError(f"nats-server {node.name} exited:\n{_tail(node.log_file)}")
+            if _healthy(node.http_port) and mqtt_connects(node.mqtt_port):
+                return
+            time.sleep(0.2)
+        raise BrokerError(f"nats-server {node.name} did not become ready:\n{_tail(node.log_file)}")
+
+
+def _healthy(http_port: int) -> bool:
+    connection = http.client.HTTPConnection("127.0.0.1", http_port, timeout=2)
+    try:
+        connection.request("GET", "/healthz")  # JetStream included, when enabled
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        connection.close()

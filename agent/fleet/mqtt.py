@@ -204,8 +204,9 @@ class MqttLink:
         on_message: Awaited for each received message, one at a time in arrival order. An
             exception is logged and the message acknowledged all the same (a message that always
             fails must not come back forever); cancellation (stop) leaves it unacknowledged.
-        on_connect: Awaited after every successful connect, in order with the messages, with
-            whether the broker still had our session (``session_present``).
+        on_connect: Awaited after every successful connect (once the broker acknowledged the
+            subscriptions), in order with the messages (a kept session's queued messages may come
+            first), with whether the broker still had our session (``session_present``).
         will: The Last Will.
 
     The constructor does no I/O; :meth:`start` does.
@@ -248,6 +249,8 @@ class MqttLink:
         self._connack_seen = False  # on this attempt: a CONNACK came, accepting or refusing
         self._accepted = False  # on this attempt: the CONNACK accepted us
         self._connected_at = 0.0
+        self._session_present = False
+        self._subscribe_mid: int | None = None
         self._last_paho_error: str | None = None
 
     # -- the public API --------------------------------------------------------------------------
@@ -273,17 +276,21 @@ class MqttLink:
         self._thread.start()
 
     async def wait_connected(self, timeout_s: float) -> None:
-        """Return once connected.
+        """Return once connected (see :attr:`connected`: subscriptions included).
 
         Raises:
             FleetError: not connected within ``timeout_s`` (reason ``timeout``, with the last
-                connection error in ``last_error``), or at once when the broker refused us
-                (``bad_credentials``, ``not_authorized``, ``tls``...: retrying cannot help until
-                a configuration changes; the link still retries in the background).
+                connection error in ``last_error``), or at once when the last attempt was
+                refused (``bad_credentials``, ``not_authorized``, ``tls``...: retrying cannot help
+                until a configuration changes; the link still retries in the background, with
+                backoff), or when the link is not running (``stopped``).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while not self._connected:
+            if self._thread is None:
+                raise FleetError("the MQTT link is not running (not started, or stopped)",
+                                 reason="stopped", client_id=self.options.client_id)
             if self._problem is not None and self._problem.refusal:
                 raise self._problem.error()
             remaining = deadline - loop.time()
@@ -300,7 +307,8 @@ class MqttLink:
 
     @property
     def connected(self) -> bool:
-        """Whether the broker accepted our last connection and it has not been lost since."""
+        """Whether the broker accepted our last connection and acknowledged its subscriptions
+        (SUBACK), and the connection has not been lost since."""
         return self._connected
 
     @property
@@ -568,12 +576,16 @@ class MqttLink:
             self._accepted = True
             self._thread_generation += 1
             self._connected_at = time.monotonic()
-            if self._subscriptions:
-                rc, _ = client.subscribe(self._subscribe_request())
-                if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-                    log.warning("subscribing for %s failed at once: %s", self.options.client_id,
-                                paho.error_string(rc))
-            self._post(self._connected_now, bool(flags.session_present))
+            self._session_present = bool(flags.session_present)
+            if not self._subscriptions:
+                self._post(self._connected_now, self._session_present)
+                return
+            # Connected counts from the SUBACK: a caller told "connected" may rely on hearing
+            # what is published from then on (with the session gone, nothing is subscribed yet).
+            rc, self._subscribe_mid = client.subscribe(self._subscribe_request())
+            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                log.warning("subscribing for %s failed at once: %s", self.options.client_id,
+                            paho.error_string(rc))
         except Exception:  # noqa: BLE001
             log.exception("on_connect of %s failed", self.options.client_id)
 
@@ -641,18 +653,21 @@ class MqttLink:
     def _cb_subscribe(self, client: paho.Client, userdata: Any, mid: int,
                       reason_codes: list[ReasonCode], properties: Properties | None) -> None:
         try:
+            if mid != self._subscribe_mid:
+                return
             for (topic, _), code in zip(self._subscriptions, reason_codes):
                 if code.is_failure:
                     # Usually the ACL: the device's configuration and the broker's disagree.
                     log.error("the broker refused the subscription %r of %s: %s", topic,
                               self.options.client_id, code)
+            self._post(self._connected_now, self._session_present)
         except Exception:  # noqa: BLE001
             log.exception("on_subscribe of %s failed", self.options.client_id)
 
     def _cb_log(self, client: paho.Client, userdata: Any, level: int, text: str) -> None:
         try:
             if level == paho.MQTT_LOG_ERR:
-                self._last_paho_error = text
+                self._last_paho_error = text.removeprefix("failed to receive on socket: ")
         except Exception:  # noqa: BLE001
             pass
 
