@@ -32,7 +32,7 @@ from agent.fleet.mqtt import Message, MqttLink
 from agent.update.canary import CanaryPolicy
 from agent.update.states import UpdatePolicy
 from models.signing import load_private_key, write_keypair
-from tests.brokers import MOSQUITTO, Mosquitto
+from tests.brokers import MOSQUITTO, NATS_SERVER, Mosquitto, NatsCluster
 from tests.tiny_models import make_bundle
 
 pytest.importorskip("onnxruntime")
@@ -48,12 +48,16 @@ class Operator:
     """The fleet side, as far as these tests need it: one MQTT link reading everything under
     ``edge/<fleet>/#`` and publishing signed documents."""
 
-    def __init__(self, broker: Mosquitto, key: Any, *, protocol: str = "5") -> None:
+    def __init__(self, broker: Mosquitto | NatsCluster, key: Any, *, protocol: str = "5",
+                 node: int = 0) -> None:
         self.key = key
         self.messages: list[Message] = []
-        self.link = MqttLink(broker.options("operator", protocol=protocol,
-                                            reconnect_min_s=0.05, reconnect_max_s=0.5),
-                             subscriptions=[(f"edge/{FLEET}/#", 1)], on_message=self._on_message)
+        options = (broker.options("operator", node=node, reconnect_min_s=0.05,
+                                  reconnect_max_s=0.5) if isinstance(broker, NatsCluster)
+                   else broker.options("operator", protocol=protocol, reconnect_min_s=0.05,
+                                       reconnect_max_s=0.5))
+        self.link = MqttLink(options, subscriptions=[(f"edge/{FLEET}/#", 1)],
+                             on_message=self._on_message)
 
     async def _on_message(self, message: Message) -> None:
         self.messages.append(message)
@@ -135,11 +139,13 @@ def fleet(tmp_path: Path) -> dict[str, Any]:
         broker.close()
 
 
-def device_config(fleet: dict[str, Any], name: str, *, protocol: str = "5") -> Any:
+def device_config(fleet: dict[str, Any], name: str, *, protocol: str = "5",
+                  port: int | None = None) -> Any:
     config = load_config(None, env={}, overrides={
         "state_dir": fleet["dir"] / name, "http.port": 0, "serving.backend": "onnxruntime",
         "trust.public_keys": [fleet["bundle_pub"]], "device_id": name,
-        "fleet.enabled": True, "fleet.broker": "127.0.0.1", "fleet.port": fleet["broker"].port,
+        "fleet.enabled": True, "fleet.broker": "127.0.0.1",
+        "fleet.port": port or fleet["broker"].port,
         "fleet.tls": False, "fleet.protocol": protocol, "fleet.fleet": FLEET,
         "fleet.public_keys": [fleet["fleet_pub"]], "fleet.reconnect_min_s": 0.05,
         "fleet.reconnect_max_s": 0.5})
@@ -390,3 +396,31 @@ def test_edge_agent_serve_runs_the_control_plane_and_its_will_says_offline(
                 "the Last Will")
 
     run(scenario)
+
+
+@pytest.mark.skipif(not NATS_SERVER.exists(), reason="nats-server is not installed")
+def test_agents_on_different_nats_nodes_converge_in_mqtt_311_mode(
+        fleet: dict[str, Any]) -> None:
+    cluster = NatsCluster(fleet["dir"] / "nats").start()
+    names = ("cam-1", "cam-2")
+    try:
+        daemons = [daemon(device_config(fleet, name, protocol="3.1.1",
+                                        port=cluster.mqtt_port(node + 1)))
+                   for node, name in enumerate(names)]
+
+        async def scenario() -> None:
+            async with Operator(cluster, fleet["fleet_key"], node=0) as operator, \
+                    Running(daemons[0]), Running(daemons[1]):
+                await operator.until(lambda: all(operator.reported(name) for name in names),
+                                     "the first reports")
+                for name in names:
+                    await operator.desired(name, 1, fleet["bundles"][3])
+                await operator.until(lambda: all(operator.committed(name, 3)
+                                                 for name in names), "both on v3")
+                await operator.command("cam-2", "s-9", "status", signed=False)
+                await operator.until(lambda: operator.on(f"edge/{FLEET}/cam-2/resp/s-9"),
+                                     "the answer through another node")
+
+        run(scenario)
+    finally:
+        cluster.close()
