@@ -23,7 +23,7 @@ def test_bench_fleet_runs_every_phase_and_writes_its_figures(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "fleet.json"
     code = main(["bench", "fleet", "--agents", "5", "--json", str(out), "--timeout", "120",
-                 "--work-dir", str(tmp_path / "work")])
+                 "--agents-per-process", "2", "--work-dir", str(tmp_path / "work")])
     summary = json.loads(out.read_text())
     printed = capsys.readouterr().out
     assert code == 0, printed
@@ -31,12 +31,13 @@ def test_bench_fleet_runs_every_phase_and_writes_its_figures(
                 "bad_bundle_reached", "bad_bundle_reverted_s"):
         assert key in summary and key in printed
     assert summary["agents"] == 5 and summary["lost"] == 0
+    assert len(list((tmp_path / "work" / "workers").glob("*.json"))) == 3  # 2 + 2 + 1
     phases = summary["phases"]
     for name in ("converge", "converge_with_broker_restart"):
         assert phases[name]["converged"] == 5 and phases[name]["rollout_state"] == "completed"
     assert phases["converge_with_broker_restart"]["broker"]["converged_before_kill"] < 5
     bad = phases["bad_bundle"]
-    assert bad["reached"] == 3 and bad["serving_bad"] == 0
+    assert bad["reached"] == bad["given"] == 3 and bad["serving_bad"] == 0
     assert bad["rollout_state"] in ("aborted", "rolled_back")
     assert bad["abort"]["cause"] == "failure_share"
     # Each agent kept a real store: the healthy version before the bad one is current.

@@ -194,6 +194,9 @@ def register_fleet(kinds: argparse._SubParsersAction) -> None:
                        help="each phase's limit; agents not converged by then count as lost")
     fleet.add_argument("--stages", default=",".join(defaults.stages),
                        help="the bad bundle's rollout stages")
+    fleet.add_argument("--agents-per-process", type=int, default=defaults.agents_per_process,
+                       metavar="N", help="agents in each agent process (paho's select() "
+                       "limits a process to about 250 links)")
     fleet.add_argument("--work-dir", type=Path, metavar="DIR",
                        help="keep the workspace, logs and agents' state here")
     fleet.set_defaults(handler=run_fleet)
@@ -204,6 +207,9 @@ def run_fleet(args: argparse.Namespace) -> int:
     require("paho.mqtt", extra="device", purpose="edge-agent bench fleet")
     from agent.tooling.fleetbench.bench import TARGETS, FleetBenchOptions, format_table, run
 
+    if args.agents_per_process < 1:
+        raise ConfigError("--agents-per-process must be at least 1", key="--agents-per-process",
+                          found=args.agents_per_process)
     if args.agents < 4:
         raise ConfigError("the benchmark needs at least 4 agents (a canary stage of 3, then "
                           "more)", key="--agents", found=args.agents)
@@ -215,7 +221,8 @@ def run_fleet(args: argparse.Namespace) -> int:
     logging.getLogger("agent").setLevel(logging.ERROR)
     options = FleetBenchOptions(agents=args.agents, timeout_s=args.timeout,
                                 stages=tuple(part.strip() for part in args.stages.split(",")),
-                                work_dir=args.work_dir)
+                                work_dir=args.work_dir,
+                                agents_per_process=args.agents_per_process)
     summary = run(options)
     print(format_table(summary))
     if args.json:

@@ -44,9 +44,7 @@ from typing import Any
 
 from agent.errors import FleetError
 from agent.fleet.documents import ModelSpec
-from agent.fleet.mqtt import BrokerOptions
-from agent.tooling.fleetbench.agents import LightAgent
-from agent.update.states import UpdatePolicy
+from agent.tooling.fleetbench.worker import AGENTS_PER_PROCESS
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +63,8 @@ class FleetBenchOptions:
     stages: tuple[str, ...] = ("3", "10%", "50%", "100%")
     watch_window_s: float = 1.0  # the agents' watch window after a commit
     work_dir: Path | None = None  # default: a temporary directory, removed afterwards
-    threads: int = 8  # the agents' shared executor for blocking work
+    threads: int = 4  # each agent process's executor for blocking work
+    agents_per_process: int = AGENTS_PER_PROCESS
 
 
 @dataclass
@@ -152,7 +151,7 @@ class FleetBench:
                  progress: Callable[[str], None] = print) -> None:
         self.options = options
         self.say = progress
-        self.agents: list[LightAgent] = []
+        self.workers: list[asyncio.subprocess.Process] = []
         self.lost: set[str] = set()
 
     # -- setup ----------------------------------------------------------------------------------
@@ -190,16 +189,66 @@ class FleetBench:
         self.base_url = f"http://127.0.0.1:{http_port}"
         self.setup_s = time.monotonic() - started
 
-    def _agent(self, work: Path, device: str, executor: ThreadPoolExecutor) -> LightAgent:
+    async def _start_workers(self, work: Path) -> None:
+        """The agents, :attr:`FleetBenchOptions.agents_per_process` to a process."""
+        from agent.fsutil import atomic_write_text
+
         workspace = self.workspace
-        options = BrokerOptions(host="127.0.0.1", port=workspace.device_port, client_id=device,
-                                username=device, password=self.passwords[device], tls=True,
-                                ca_file=workspace.fleet_ca[0])
-        return LightAgent(work / "agents" / device, fleet=FLEET, device=device, options=options,
-                          fleet_keys=[workspace.public_key()],
-                          bundle_keys=workspace.trusted_bundle_keys(),
-                          policy=UpdatePolicy(watch_window_s=self.options.watch_window_s),
-                          executor=executor)
+        size = max(1, self.options.agents_per_process)
+        (work / "workers").mkdir(exist_ok=True)
+        for index in range(0, len(self.devices), size):
+            chunk = self.devices[index:index + size]
+            spec = {"work": str(work / "agents"), "fleet": FLEET, "host": "127.0.0.1",
+                    "port": workspace.device_port, "ca_file": str(workspace.fleet_ca[0]),
+                    "fleet_keys": [str(workspace.public_key_path)],
+                    "bundle_keys": [str(path) for path in workspace.bundle_keys],
+                    "watch_window_s": self.options.watch_window_s,
+                    "threads": self.options.threads, "first_bundle": str(self.bundles[1]),
+                    "devices": {device: self.passwords[device] for device in chunk}}
+            path = work / "workers" / f"worker-{index // size}.json"
+            atomic_write_text(path, json.dumps(spec), mode=0o600)
+            log_file = (work / "workers" / f"worker-{index // size}.log").open("ab")
+            self.workers.append(await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "agent.tooling.fleetbench.worker", str(path),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=log_file, limit=16 * 1024 * 1024))
+            log_file.close()
+        for worker in self.workers:
+            answer = await self._read(worker)
+            if not answer.get("ready"):
+                raise FleetError("an agent process did not start", reason="bench_setup",
+                                 answer=str(answer)[:300])
+
+    async def _read(self, worker: asyncio.subprocess.Process) -> dict[str, Any]:
+        assert worker.stdout is not None
+        line = await asyncio.wait_for(worker.stdout.readline(), self.options.timeout_s)
+        if not line:
+            raise FleetError("an agent process ended", reason="bench_setup",
+                             returncode=worker.returncode)
+        return json.loads(line)  # type: ignore[no-any-return]
+
+    async def _status(self) -> dict[str, dict[str, Any]]:
+        """Each agent's serving version and the bundles its updater downloaded."""
+        agents: dict[str, dict[str, Any]] = {}
+        for worker in self.workers:
+            assert worker.stdin is not None
+            worker.stdin.write(b"status\n")
+            await worker.stdin.drain()
+            agents.update((await self._read(worker))["agents"])
+        return agents
+
+    async def _stop_workers(self) -> None:
+        for worker in self.workers:
+            if worker.returncode is None and worker.stdin is not None:
+                with contextlib.suppress(Exception):
+                    worker.stdin.write(b"stop\n")
+                    await worker.stdin.drain()
+        for worker in self.workers:
+            try:
+                await asyncio.wait_for(worker.wait(), 30)
+            except asyncio.TimeoutError:
+                worker.kill()
+                await worker.wait()
 
     # -- the run ----------------------------------------------------------------------------------
 
@@ -216,14 +265,9 @@ class FleetBench:
             self.say(f"set up {options.agents} devices in {self.setup_s:.1f} s")
             await loop.run_in_executor(None, self.broker.start)
             await loop.run_in_executor(None, self.files.start)
-            self.agents = [self._agent(work, device, executor) for device in self.devices]
-            await asyncio.gather(*(loop.run_in_executor(None, agent.install, self.bundles[1])
-                                   for agent in self.agents))
-            return await self._measure()
+            return await self._measure(work)
         finally:
-            for agent in self.agents:
-                with contextlib.suppress(Exception):
-                    await agent.stop()
+            await self._stop_workers()
             for process in ("files", "broker"):
                 if hasattr(self, process):
                     getattr(self, process).stop()
@@ -231,11 +275,9 @@ class FleetBench:
             if options.work_dir is None:
                 shutil.rmtree(work, ignore_errors=True)
 
-    async def _measure(self) -> dict[str, Any]:
+    async def _measure(self, work: Path) -> dict[str, Any]:
         from agent.fleet.ops.operator import OperatorLink
 
-        started = time.monotonic()
-        await asyncio.gather(*(agent.start() for agent in self.agents))
         self.driver: Any = None
 
         async def on_change(about: str) -> None:
@@ -248,17 +290,19 @@ class FleetBench:
                                  trusted_keys=[workspace.public_key()], on_change=on_change)
         await self.link.start()
         try:
+            started = time.monotonic()
+            await self._start_workers(work)
             await self._until(lambda: all(self._reports(device, 1) for device in self.devices),
                               "every agent's first report")
-            self.say(f"{len(self.agents)} agents connected and reporting in "
-                     f"{time.monotonic() - started:.1f} s")
+            self.say(f"{len(self.devices)} agents in {len(self.workers)} process(es) connected "
+                     f"and reporting in {time.monotonic() - started:.1f} s")
             first = await self._rollout(2, "converge")
             second = await self._rollout(3, "converge_with_broker_restart", restart=True)
             bad = await self._bad_rollout(4)
         finally:
             await self.link.stop()
         return {
-            "agents": len(self.agents),
+            "agents": len(self.devices),
             "converge_s": first["converge_s"],
             "converge_s_with_broker_restart": second["converge_s"],
             "lost": len(self.lost),
@@ -273,6 +317,7 @@ class FleetBench:
             "options": {"stages": list(self.options.stages),
                         "restart_after_s": self.options.restart_after_s,
                         "restart_at_share": self.options.restart_at_share,
+                        "agents_per_process": self.options.agents_per_process,
                         "watch_window_s": self.options.watch_window_s},
         }
 
@@ -371,45 +416,45 @@ class FleetBench:
         aborted_at = None
         deadline = started + self.options.timeout_s
         while time.monotonic() < deadline and not drive.done():
-            if aborted_at is None and driver.rollout.state != "running":
+            if driver.rollout.state != "running":
                 aborted_at = time.monotonic()
                 break
             await asyncio.sleep(0.02)
-        reached = [agent for agent in self.agents if bad_sha in agent.steps.attempted]
-        floors = {agent.device: self.link.view.device(agent.device).desired_floor
-                  for agent in reached}
         reverted_at = None
         if aborted_at is not None:
             def back() -> bool:
-                return all(self._reports(agent.device, previous,
-                                         min_desired=floors[agent.device] + 1)
-                           or (agent.serving_version == previous
-                               and self._converged_on_rollback(agent.device, floors))
-                           for agent in reached)
+                # Every device the rollout gave the bad version: the version before applied,
+                # and the rollback's desired document converged.
+                for device, entry in driver.rollout.devices.items():
+                    if entry.desired is None:
+                        continue
+                    rollback = entry.rollback
+                    floor = (rollback.desired.version if rollback is not None
+                             else entry.desired.version + 1)
+                    if not self._reports(device, previous, min_desired=floor):
+                        return False
+                return True
             if await self._until(back, "the reached agents back on the version before"):
                 reverted_at = time.monotonic()
         try:
             await asyncio.wait_for(drive, self.options.timeout_s)
         except (asyncio.TimeoutError, FleetError) as exc:
             self.say(f"the driver did not finish: {exc!r}")
-        reached = [agent for agent in self.agents if bad_sha in agent.steps.attempted]
-        result = {"reached": len(reached),
+        agents = await self._status()
+        given = sum(1 for entry in driver.rollout.devices.values() if entry.desired is not None)
+        result = {"reached": sum(1 for agent in agents.values()
+                                 if bad_sha in agent["attempted"]),
+                  "given": given,
                   "reverted_s": None if reverted_at is None or aborted_at is None
                   else round(reverted_at - aborted_at, 3),
                   "abort_after_s": None if aborted_at is None else round(aborted_at - started, 3),
                   "rollout_state": driver.rollout.state,
                   "abort": None if driver.rollout.abort is None
                   else driver.rollout.abort.to_json(),
-                  "serving_bad": sum(1 for agent in self.agents
-                                     if agent.serving_version == version)}
+                  "serving_bad": sum(1 for agent in agents.values()
+                                     if agent["serving"] == version)}
         self.say(f"bad bundle: {result}")
         return result
-
-    def _converged_on_rollback(self, device: str, floors: dict[str, int]) -> bool:
-        reported = self.link.view.reported.get(device)
-        return bool(reported is not None and reported.desired is not None
-                    and reported.desired.version > floors[device]
-                    and reported.desired.status == "converged")
 
 
 def format_table(summary: dict[str, Any]) -> str:
