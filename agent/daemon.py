@@ -364,6 +364,7 @@ class Daemon:
             "models": {name: service.version for name, service in self.services.items()},
             "tasks": [task.to_json() for task in self.supervisor.status()],
             "failure": str(self.failure) if self.failure else None,
+            "fleet": self.fleet.status() if self.fleet is not None else None,
         }
 
     async def _status_command(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from agent.fleet.mqtt import Message, MqttLink
 from agent.update.canary import CanaryPolicy
 from agent.update.states import UpdatePolicy
 from models.signing import load_private_key, write_keypair
-from tests.brokers import MOSQUITTO, Mosquitto
+from tests.brokers import MOSQUITTO, NATS_SERVER, Mosquitto, NatsCluster
 from tests.tiny_models import make_bundle
 
 pytest.importorskip("onnxruntime")
@@ -48,12 +48,16 @@ class Operator:
     """The fleet side, as far as these tests need it: one MQTT link reading everything under
     ``edge/<fleet>/#`` and publishing signed documents."""
 
-    def __init__(self, broker: Mosquitto, key: Any, *, protocol: str = "5") -> None:
+    def __init__(self, broker: Mosquitto | NatsCluster, key: Any, *, protocol: str = "5",
+                 node: int = 0, options: Any = None) -> None:
         self.key = key
         self.messages: list[Message] = []
-        self.link = MqttLink(broker.options("operator", protocol=protocol,
-                                            reconnect_min_s=0.05, reconnect_max_s=0.5),
-                             subscriptions=[(f"edge/{FLEET}/#", 1)], on_message=self._on_message)
+        options = options or (broker.options("operator", node=node, reconnect_min_s=0.05,
+                                  reconnect_max_s=0.5) if isinstance(broker, NatsCluster)
+                   else broker.options("operator", protocol=protocol, reconnect_min_s=0.05,
+                                       reconnect_max_s=0.5))
+        self.link = MqttLink(options, subscriptions=[(f"edge/{FLEET}/#", 1)],
+                             on_message=self._on_message)
 
     async def _on_message(self, message: Message) -> None:
         self.messages.append(message)
@@ -135,11 +139,13 @@ def fleet(tmp_path: Path) -> dict[str, Any]:
         broker.close()
 
 
-def device_config(fleet: dict[str, Any], name: str, *, protocol: str = "5") -> Any:
+def device_config(fleet: dict[str, Any], name: str, *, protocol: str = "5",
+                  port: int | None = None) -> Any:
     config = load_config(None, env={}, overrides={
         "state_dir": fleet["dir"] / name, "http.port": 0, "serving.backend": "onnxruntime",
         "trust.public_keys": [fleet["bundle_pub"]], "device_id": name,
-        "fleet.enabled": True, "fleet.broker": "127.0.0.1", "fleet.port": fleet["broker"].port,
+        "fleet.enabled": True, "fleet.broker": "127.0.0.1",
+        "fleet.port": port or fleet["broker"].port,
         "fleet.tls": False, "fleet.protocol": protocol, "fleet.fleet": FLEET,
         "fleet.public_keys": [fleet["fleet_pub"]], "fleet.reconnect_min_s": 0.05,
         "fleet.reconnect_max_s": 0.5})
@@ -340,3 +346,128 @@ def test_mqtt_311_mode_answers_on_resp_request_id_and_converges(fleet: dict[str,
                 await operator.until(lambda: operator.committed("cam-1", 2), "v2 committed")
 
     run(scenario)
+
+
+def test_edge_agent_serve_runs_the_control_plane_and_its_will_says_offline(
+        fleet: dict[str, Any]) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_daemon import wait_ready
+    from tests.brokers import free_port
+
+    state = fleet["dir"] / "served"
+    config_file = fleet["dir"] / "agent.toml"
+    config_file.write_text(
+        f'state_dir = "{state}"\ndevice_id = "cam-9"\n'
+        f'[http]\nport = {free_port()}\n[serving]\nbackend = "onnxruntime"\n'
+        '[update]\ncanary_s = 0.3\nwatch_window_s = 0.5\n'
+        f'[fleet]\nenabled = true\nbroker = "127.0.0.1"\nport = {fleet["broker"].port}\n'
+        f'tls = false\nfleet = "{FLEET}"\npublic_keys = ["{fleet["fleet_pub"]}"]\n'
+        'reconnect_min_s = 0.05\nreconnect_max_s = 0.5\n')
+    http_port = int(config_file.read_text().split("port = ")[1].split("\n")[0])
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("EDGE_AGENT_")}
+
+    def serve() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "agent", "serve", "--config", str(config_file), "--bundle",
+             str(fleet["bundles"][1]), "--pubkey", str(fleet["bundle_pub"])],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+
+    async def scenario() -> None:
+        async with Operator(fleet["broker"], fleet["fleet_key"]) as operator:
+            online = f"edge/{FLEET}/cam-9/online"
+            process = serve()
+            try:
+                await asyncio.to_thread(wait_ready, http_port, process)
+                await operator.until(lambda: operator.reported("cam-9") is not None,
+                                     "the served daemon's report")
+                assert docs.decode(operator.on(online)[-1].payload).online
+                await operator.desired("cam-9", 1, fleet["bundles"][2])
+                await operator.until(lambda: operator.committed("cam-9", 2), "v2 committed")
+            finally:
+                process.send_signal(signal.SIGKILL)  # no clean disconnect: the Will goes
+                await asyncio.to_thread(process.communicate, timeout=30)
+            await operator.until(
+                lambda: not docs.decode(operator.on(online)[-1].payload).online,
+                "the Last Will")
+
+    run(scenario)
+
+
+@pytest.mark.skipif(not NATS_SERVER.exists(), reason="nats-server is not installed")
+def test_agents_on_different_nats_nodes_converge_in_mqtt_311_mode(
+        fleet: dict[str, Any]) -> None:
+    cluster = NatsCluster(fleet["dir"] / "nats").start()
+    names = ("cam-1", "cam-2")
+    try:
+        daemons = [daemon(device_config(fleet, name, protocol="3.1.1",
+                                        port=cluster.mqtt_port(node + 1)))
+                   for node, name in enumerate(names)]
+
+        async def scenario() -> None:
+            async with Operator(cluster, fleet["fleet_key"], node=0) as operator, \
+                    Running(daemons[0]), Running(daemons[1]):
+                await operator.until(lambda: all(operator.reported(name) for name in names),
+                                     "the first reports")
+                for name in names:
+                    await operator.desired(name, 1, fleet["bundles"][3])
+                await operator.until(lambda: all(operator.committed(name, 3)
+                                                 for name in names), "both on v3")
+                await operator.command("cam-2", "s-9", "status", signed=False)
+                await operator.until(lambda: operator.on(f"edge/{FLEET}/cam-2/resp/s-9"),
+                                     "the answer through another node")
+
+        run(scenario)
+    finally:
+        cluster.close()
+
+
+DEVICE_ACL = f"""\
+user operator
+topic readwrite edge/{FLEET}/#
+pattern read edge/{FLEET}/%u/desired
+pattern read edge/{FLEET}/%u/cmd
+pattern write edge/{FLEET}/%u/reported
+pattern write edge/{FLEET}/%u/events
+pattern write edge/{FLEET}/%u/online
+pattern write edge/{FLEET}/%u/resp/#
+"""
+
+
+def test_a_device_with_a_password_over_tls_under_an_acl_converges(fleet: dict[str, Any]) -> None:
+    from tests.brokers import ThrowawayCA
+
+    ca = ThrowawayCA(fleet["dir"] / "ca")
+    password_file = fleet["dir"] / "cam-1.password"
+    password_file.write_text("cam-1-secret\n")
+    password_file.chmod(0o600)
+    with Mosquitto(fleet["dir"] / "tls-broker", allow_anonymous=False, tls_ca=ca,
+                   require_certificate=False, plain_listener=False, acl=DEVICE_ACL,
+                   passwords={"operator": "op-secret", "cam-1": "cam-1-secret"}) as broker:
+        base = device_config(fleet, "cam-1")
+        config = load_config(None, env={}, overrides={
+            "state_dir": base.state_dir, "http.port": 0, "serving.backend": "onnxruntime",
+            "trust.public_keys": [fleet["bundle_pub"]], "device_id": "cam-1",
+            "fleet.enabled": True, "fleet.broker": "127.0.0.1", "fleet.port": broker.tls_port,
+            "fleet.tls": True, "fleet.ca_file": ca.ca_file, "fleet.username": "cam-1",
+            "fleet.password_file": password_file, "fleet.fleet": FLEET,
+            "fleet.public_keys": [fleet["fleet_pub"]], "fleet.reconnect_min_s": 0.05,
+            "fleet.reconnect_max_s": 0.5})
+
+        async def scenario() -> None:
+            operator = Operator(broker, fleet["fleet_key"], options=broker.options(
+                "operator", tls=True, username="operator", password="op-secret"))
+            async with operator, Running(daemon(config)):
+                await operator.until(lambda: operator.reported("cam-1") is not None,
+                                     "a report over TLS")
+                await operator.desired("cam-1", 1, fleet["bundles"][2])
+                await operator.until(lambda: operator.committed("cam-1", 2), "v2 committed")
+                await operator.command("cam-1", "s-1", "status", signed=False)
+                await operator.until(lambda: operator.on(f"edge/{FLEET}/cam-1/resp/s-1"),
+                                     "the answer")
+
+        run(scenario)
