@@ -8,7 +8,7 @@ Phases, each from the moment the driver starts:
 1. ``converge_s``: a healthy version to every agent in one stage, until every agent reports it
    applied and its desired document converged.
 2. ``converge_s_with_broker_restart``: the next healthy version, with the broker SIGKILLed
-   mid-rollout (once ``restart_at_share`` of the agents converged, or ``restart_after_s`` into
+   mid-rollout (once every desired document of the rollout is out, or ``restart_after_s`` into
    it, whichever comes first) and started again at once (its store is saved every 30 s, so what
    came since the last save is lost: the driver republishes, the agents keep their copies).
 3. A misbehaving version (NaN on negative inputs) in stages ``3,10%,50%,100%`` with the default
@@ -59,7 +59,6 @@ class FleetBenchOptions:
     agents: int = 300
     timeout_s: float = 180.0  # per phase
     restart_after_s: float = 5.0
-    restart_at_share: float = 0.1
     stages: tuple[str, ...] = ("3", "10%", "50%", "100%")
     watch_window_s: float = 1.0  # the agents' watch window after a commit
     work_dir: Path | None = None  # default: a temporary directory, removed afterwards
@@ -316,7 +315,6 @@ class FleetBench:
                         "platform": platform.platform()},
             "options": {"stages": list(self.options.stages),
                         "restart_after_s": self.options.restart_after_s,
-                        "restart_at_share": self.options.restart_at_share,
                         "agents_per_process": self.options.agents_per_process,
                         "watch_window_s": self.options.watch_window_s},
         }
@@ -363,8 +361,9 @@ class FleetBench:
                          for device in self.devices}
         phase.started = time.monotonic()
         drive = asyncio.ensure_future(driver.run())
-        restart_task = (asyncio.ensure_future(self._restart_broker(phase)) if restart
-                        else None)
+        restart_task = (asyncio.ensure_future(self._restart_broker(phase, version,
+                                                                   desired_floor))
+                        if restart else None)
 
         def done() -> bool:
             now = time.monotonic()
@@ -390,13 +389,19 @@ class FleetBench:
         self.say(f"{name}: {result}")
         return result
 
-    async def _restart_broker(self, phase: _Phase) -> dict[str, Any]:
-        wanted = self.options.restart_at_share * len(self.devices)
+    async def _restart_broker(self, phase: _Phase, version: int,
+                              floors: dict[str, int]) -> dict[str, Any]:
         deadline = phase.started + self.options.restart_after_s
-        while len(phase.converged) < wanted and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+
+        def out() -> bool:  # the broker holds the rollout's desired document for every agent
+            return all(self.link.view.device(device).desired_floor >= floors[device]
+                       for device in self.devices)
+
+        while not out() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         killed = time.monotonic()
-        converged_before = len(phase.converged)
+        converged_before = sum(1 for device in self.devices if self._reports(
+            device, version, min_desired=floors[device]))
         await asyncio.get_running_loop().run_in_executor(None, self.broker.kill)
         await asyncio.get_running_loop().run_in_executor(None, self.broker.start)
         return {"killed_after_s": round(killed - phase.started, 3),
