@@ -138,6 +138,21 @@ class FleetError(AgentError):
         self.reason = reason
 
 
+class DocumentError(FleetError):
+    """A fleet document or its signed envelope (agent/fleet/documents.py) is refused: malformed,
+    too large, of the wrong kind, badly signed, or not meant for this device.
+
+    ``reason`` is a short stable code (``not_json``, ``bad_field``, ``bad_signature``,
+    ``unknown_key``...) that the device's ``events`` carry; ``field`` names the offending field
+    as a dotted path (``model.sha256``) when one is at fault.
+    """
+
+    def __init__(self, message: str, *, reason: str, field: str | None = None,
+                 **fields: Any) -> None:
+        super().__init__(message, reason=reason, field=field, **fields)
+        self.field = field
+
+
 class ControlError(AgentError):
     """The local control channel to the running daemon cannot be used (no daemon, no permission,
     a malformed request)."""

@@ -258,6 +258,16 @@ def parse_signature_document(data: bytes) -> SignatureDocument:
         raise _malformed("it is not UTF-8 JSON", reason=str(exc)) from exc
     except RecursionError:
         raise _malformed("it is nested too deeply") from None
+    return signature_from_json(document)
+
+
+def signature_from_json(document: object) -> SignatureDocument:
+    """Check an already parsed signature document (``manifest.sig``'s content, or the
+    ``signature`` part of a fleet document's envelope) without checking the signature itself.
+
+    Raises:
+        SignatureError: as :func:`parse_signature_document`.
+    """
     if not isinstance(document, dict):
         raise _malformed("it is not a JSON object", found=type(document).__name__)
     for field_name in ("algorithm", "key_id", "signature"):

@@ -318,6 +318,52 @@ def test_a_downgrade_is_refused_and_a_rollback_returns_to_the_previous_version(
     assert out["clients"].versions[-1] == "1"
 
 
+def test_an_authorised_downgrade_applies_an_older_version_through_the_canary(
+        setup: dict[str, Any]) -> None:
+    from agent.update.updater import UpdateRequest
+
+    directory: Path = setup["dir"]
+    v1 = directory / "tiny-1.bundle"  # the fixture's, installed and then superseded
+    v2, _ = make_bundle(directory, version=2, key=setup["key"])
+    daemon = _daemon(setup)
+
+    async def session(port: int) -> dict[str, Any]:
+        assert daemon.updater is not None
+        async with Clients(port) as clients:
+            await asyncio.sleep(0.2)
+            await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v2)})
+            await _until_idle(daemon)
+            refused = await daemon.updater.request(UpdateRequest(source=_url(v1)))
+            await daemon.updater.wait()
+            refusal = daemon.updater.status()["last_outcome"]
+            allowed = await daemon.updater.request(UpdateRequest(source=_url(v1),
+                                                                 allow_downgrade=True))
+            journalled, deadline = None, time.monotonic() + 30
+            while journalled is None or journalled.update_id != allowed.update_id:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+                journalled = (await _in_thread(daemon.updater.journal.load)).doc.update
+            status = await _until_idle(daemon)
+            await asyncio.sleep(0.2)
+        return {"refused": refused, "refusal": refusal, "allowed": allowed, "status": status,
+                "journalled": journalled, "clients": clients}
+
+    out = run_foreground(daemon, session=session)
+    assert out["refused"].result == "started"
+    assert (out["refusal"]["result"], out["refusal"]["reason"]) == ("failed", "downgrade")
+    assert out["allowed"].result == "started"
+    assert out["journalled"] is not None and out["journalled"].allow_downgrade
+    outcome = out["status"]["last_outcome"]
+    assert (outcome["result"], outcome["bundle"]["version"]) == ("committed", 1)
+    assert out["clients"].failures == []
+    assert out["clients"].versions[-1] == "1"
+    store = Daemon(setup["config"]).store.open()
+    try:
+        assert store.current().version == 1 and store.previous().version == 2
+    finally:
+        store.close()
+
+
 def test_an_apply_needs_a_url_the_updater_can_fetch(setup: dict[str, Any]) -> None:
     daemon = _daemon(setup)
 

@@ -99,7 +99,15 @@ def load_config(
     keys = load_trusted_keys(trust.public_keys, origins.get("trust.public_keys"))
     extra_paths = tuple(map(Path, extra_public_keys))
     extra_keys = load_trusted_keys(extra_paths, {"source": "--pubkey"})
-    config = dataclasses.replace(config, http=http, trust=dataclasses.replace(
+    fleet = config.fleet
+    if fleet.enabled:  # a disabled fleet's files need not exist
+        fleet = dataclasses.replace(
+            fleet, keys=load_trusted_keys(fleet.public_keys, origins.get("fleet.public_keys"),
+                                          key="fleet.public_keys"),
+            password=None if fleet.password_file is None else read_token_file(
+                fleet.password_file, origins.get("fleet.password_file"),
+                key="fleet.password_file", what="password"))
+    config = dataclasses.replace(config, http=http, fleet=fleet, trust=dataclasses.replace(
         trust, public_keys=(*trust.public_keys, *extra_paths), keys=(*keys, *extra_keys)))
     if config.http.token is None and not _is_loopback(config.http.host):
         log.warning(

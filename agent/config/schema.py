@@ -48,6 +48,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # A device id becomes an MQTT topic level and client id: no '/', '+', '#' or spaces.
 _DEVICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _DEVICE_CLASS = re.compile(r"[a-z0-9][a-z0-9._-]*")
+# A fleet id, and a device id in a fleet: one MQTT topic level (agent/fleet/topics.py).
+_FLEET_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -288,6 +290,72 @@ class UpdateConfig(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class FleetConfig(Section):
+    """``[fleet]``: fleet control over MQTT (design §5.3, agent/fleet/). The device's topics are
+    ``edge/<fleet>/<device_id>/...``, its MQTT client id is ``device_id`` (which must be set),
+    and it acts only on documents signed by one of ``public_keys`` (the fleet's keys, apart
+    from ``[trust]``'s bundle keys)."""
+
+    section: ClassVar[str] = "fleet"
+
+    enabled: bool = False
+    broker: str = ""  # the broker's host name or address
+    # 8883 is MQTT over TLS; 1883 the plain port.
+    port: int = field(default=8883, metadata=bounds(minimum=1, maximum=65535))
+    protocol: str = field(default="5", metadata=bounds(choices=("5", "3.1.1")))
+    fleet: str = ""
+    username: str = ""  # empty: no username (a client certificate identifies the device)
+    password_file: Path | None = None
+    tls: bool = True
+    ca_file: Path | None = None  # empty: the system's CAs
+    cert_file: Path | None = None  # a client certificate (and key_file), instead of a password
+    key_file: Path | None = None
+    keepalive_s: int = field(default=30, metadata=bounds(minimum=5, maximum=65535))
+    # How long the broker keeps the session (subscriptions, queued commands) while the device
+    # is away; MQTT 5's Session Expiry Interval.
+    session_expiry_s: int = field(default=86400, metadata=bounds(minimum=0, maximum=2**32 - 1))
+    # Reconnection backoff (full jitter) between these bounds.
+    reconnect_min_s: float = field(default=1.0, metadata=bounds(minimum=0.01))
+    reconnect_max_s: float = field(default=60.0, metadata=bounds(minimum=0.01))
+    public_keys: tuple[Path, ...] = ()
+    # Loaded by load_config when enabled: the keys of public_keys, and password_file's password.
+    keys: tuple[Ed25519PublicKey, ...] = field(
+        default=(), repr=False, compare=False, metadata={LOADED: True})
+    password: Secret | None = field(default=None, repr=False, compare=False,
+                                    metadata={LOADED: True})
+
+    def _check(self) -> None:
+        if self.reconnect_max_s < self.reconnect_min_s:
+            raise invalid("fleet.reconnect_max_s",
+                          f"at least fleet.reconnect_min_s ({self.reconnect_min_s:g})",
+                          self.reconnect_max_s)
+        if not self.enabled:
+            return
+        if not self.broker or any(character.isspace() for character in self.broker):
+            raise invalid("fleet.broker", "a host name or IP address (fleet.enabled is true)",
+                          self.broker)
+        if not self.fleet or _FLEET_ID.fullmatch(self.fleet) is None:
+            raise invalid("fleet.fleet", "a fleet id: 1-64 characters of [A-Za-z0-9_.-], "
+                                         "starting with a letter or digit", self.fleet)
+        if not self.public_keys:
+            raise invalid("fleet.public_keys", "at least one fleet public key (without one no "
+                                               "signed document can be accepted)",
+                          list(self.public_keys))
+        if self.password_file is not None and not self.username:
+            raise invalid("fleet.username", "a username (fleet.password_file is set)",
+                          self.username)
+        if not self.tls:
+            for name in ("ca_file", "cert_file", "key_file"):
+                if getattr(self, name) is not None:
+                    raise invalid(f"fleet.{name}", "empty (fleet.tls is false)",
+                                  getattr(self, name))
+        if (self.cert_file is None) != (self.key_file is None):
+            raise invalid("fleet.key_file" if self.key_file is None else "fleet.cert_file",
+                          "set together with fleet.cert_file/fleet.key_file",
+                          self.key_file or self.cert_file or "")
+
+
+@dataclass(frozen=True, kw_only=True)
 class LogConfig(Section):
     """``[log]``."""
 
@@ -320,6 +388,7 @@ class AgentConfig(Section):
     trust: TrustConfig = field(default_factory=TrustConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def _check(self) -> None:
@@ -328,6 +397,12 @@ class AgentConfig(Section):
                           self.device_class)
         if self.device_id and _DEVICE_ID.fullmatch(self.device_id) is None:
             raise invalid("device_id", "empty or [A-Za-z0-9][A-Za-z0-9._-]*", self.device_id)
+        if self.fleet.enabled and (_FLEET_ID.fullmatch(self.device_id) is None
+                                   or self.device_id == "rollouts"):
+            # The host name is no fallback here: it is the device's MQTT identity, which the
+            # broker's credentials and ACL are made for, so it is written down.
+            raise invalid("device_id", "a device id of 1-64 characters of [A-Za-z0-9_.-], not "
+                                       "'rollouts' (fleet.enabled is true)", self.device_id)
 
     @property
     def resolved_device_id(self) -> str:

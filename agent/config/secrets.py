@@ -69,8 +69,10 @@ def _named_by(origin: Mapping[str, Any] | None) -> dict[str, Any]:
             for name, value in (origin or {}).items()}
 
 
-def read_token_file(path: Path, origin: Mapping[str, Any] | None) -> Secret:
-    """The bearer token in ``path``: one line of printable ASCII without spaces.
+def read_token_file(path: Path, origin: Mapping[str, Any] | None, *,
+                    key: str = "http.token_file", what: str = "token") -> Secret:
+    """The bearer token (or, with ``what``, another secret: the MQTT password) in ``path``: one
+    line of printable ASCII without spaces. ``key`` is the configuration key errors name.
 
     Raises:
         ConfigError: the file cannot be read, is not a regular file, is too large or empty, or
@@ -78,7 +80,7 @@ def read_token_file(path: Path, origin: Mapping[str, Any] | None) -> Secret:
     """
 
     def fail(message: str, **fields: Any) -> ConfigError:
-        return ConfigError(message, key="http.token_file", path=path, **fields,
+        return ConfigError(message.replace("token", what), key=key, path=path, **fields,
                            **_named_by(origin))
 
     try:
@@ -104,12 +106,13 @@ def read_token_file(path: Path, origin: Mapping[str, Any] | None) -> Secret:
     return Secret(token)
 
 
-def load_trusted_keys(paths: Sequence[Path],
-                      origin: Mapping[str, Any] | None) -> tuple[Ed25519PublicKey, ...]:
+def load_trusted_keys(paths: Sequence[Path], origin: Mapping[str, Any] | None, *,
+                      key: str = "trust.public_keys") -> tuple[Ed25519PublicKey, ...]:
     """The public keys in ``paths``, in order.
 
     Raises:
-        ConfigError: a key file cannot be loaded (``key`` is ``trust.public_keys``).
+        ConfigError: a key file cannot be loaded (naming ``key``: ``trust.public_keys``, or
+            ``fleet.public_keys`` for the fleet's keys).
     """
     keys = []
     for path in paths:
@@ -117,7 +120,7 @@ def load_trusted_keys(paths: Sequence[Path],
             keys.append(load_public_key(path))
         except KeyFileError as exc:
             raise ConfigError(
-                f"cannot load a trusted public key: {exc.message}", key="trust.public_keys",
+                f"cannot load a trusted public key: {exc.message}", key=key,
                 path=path, **{name: value for name, value in exc.fields.items() if name != "path"},
                 **_named_by(origin),
             ) from exc

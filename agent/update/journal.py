@@ -6,7 +6,7 @@
      "state": "canary", "entered_at": "2024-05-01T12:00:00.000Z",
      "update": {"id", "kind": "update" | "rollback", "source", "expected": {name, version, sha256},
                 "bundle": {name, version, sha256} | null (known once verified), "attempt",
-                "requested_at", "committed": bool} | null,
+                "requested_at", "committed": bool, "allow_downgrade": bool} | null,
      "pending": an outcome | null (what rolling-back ends in: failed, or idle after a cancel),
      "history": [{"at", "update_id", "from", "to", "reason", "detail"}, ...] (bounded, oldest
                  first; an entry whose "from" equals its "to" is a note, not a transition),
@@ -128,13 +128,16 @@ class UpdateRecord:
     attempt: int  # 1, and one more each time a restart resumes it
     requested_at: str
     committed: bool = False  # the pointer was switched to the bundle
+    # An authorised downgrade (a signed fleet document asked for it): the bundle may be older
+    # than the version serving. Journalled, so that a resumed attempt keeps it.
+    allow_downgrade: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.update_id, "kind": self.kind, "source": self.source,
                 "expected": self.expected.to_json(),
                 "bundle": None if self.bundle is None else self.bundle.to_json(),
                 "attempt": self.attempt, "requested_at": self.requested_at,
-                "committed": self.committed}
+                "committed": self.committed, "allow_downgrade": self.allow_downgrade}
 
     @classmethod
     def from_json(cls, data: object, where: str) -> UpdateRecord:
@@ -149,7 +152,9 @@ class UpdateRecord:
                    bundle=None if bundle is None else BundleId.from_json(bundle, f"{where}.bundle"),
                    attempt=_req(obj, "attempt", int, where),
                    requested_at=_req(obj, "requested_at", str, where),
-                   committed=_req(obj, "committed", bool, where))
+                   committed=_req(obj, "committed", bool, where),
+                   # Absent in journals written before it existed.
+                   allow_downgrade=_opt(obj, "allow_downgrade", bool, where) or False)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -173,9 +173,10 @@ class DaemonSteps:
         if name != service.name:
             raise UpdateError("the bundle is of another model than the one this daemon serves",
                               reason="wrong_model", bundle=name, serving=service.name)
-        if version < service.version:
+        if version < service.version and not job.allow_downgrade:
             raise UpdateError("the bundle is older than the version serving (anti-rollback; "
-                              "'edge-agent update rollback' returns to the previous version)",
+                              "'edge-agent update rollback' returns to the previous version, "
+                              "a signed fleet document can allow a downgrade)",
                               reason="downgrade", bundle_version=version,
                               serving_version=service.version)
         try:

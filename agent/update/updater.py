@@ -104,6 +104,9 @@ class UpdateRequest:
     Args:
         source: A bundle path, a ``file://`` or an ``http(s)://`` URL.
         request_id: The requester's id (an MQTT correlation id); a new one when None.
+        allow_downgrade: The bundle may be older than the version serving: an authorised
+            rollback (a signed fleet document says so). Otherwise the steps refuse it
+            (anti-rollback).
     """
 
     source: str
@@ -111,6 +114,7 @@ class UpdateRequest:
     version: int | None = None
     sha256: str | None = None
     request_id: str | None = None
+    allow_downgrade: bool = False
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str, object]] = []
@@ -124,6 +128,8 @@ class UpdateRequest:
         if self.sha256 is not None and (not isinstance(self.sha256, str)
                                         or _SHA256.fullmatch(self.sha256) is None):
             problems.append(("sha256", "64 lower-case hex digits", self.sha256))
+        if not isinstance(self.allow_downgrade, bool):
+            problems.append(("allow_downgrade", "true or false", self.allow_downgrade))
         if problems:
             key, expected, found = problems[0]
             raise UpdateError(f"invalid update request: bad {key}", reason="invalid_request",
@@ -222,6 +228,12 @@ class UpdateJob:
     @property
     def attempt(self) -> int:
         return self.record.attempt
+
+    @property
+    def allow_downgrade(self) -> bool:
+        """Whether the bundle may be older than the version serving (an authorised rollback);
+        the verify step's anti-rollback check reads it."""
+        return self.record.allow_downgrade
 
     def progress(self, **facts: Any) -> None:
         """Report progress (``received_bytes=..., total_bytes=...``, ``phase="tactics"``) to the
@@ -449,7 +461,7 @@ class Updater:
             record = UpdateRecord(
                 update_id=request.request_id or uuid.uuid4().hex, kind="update",
                 source=request.source, expected=expected, bundle=None, attempt=1,
-                requested_at=utc_now())
+                requested_at=utc_now(), allow_downgrade=request.allow_downgrade)
             self._start(record, UpdateState.DOWNLOADING)
             return RequestAnswer(result="started", update_id=record.update_id,
                                  detail=f"applying {request.source}")
