@@ -25,7 +25,7 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent import runtime
 from agent.autoscale import Autoscaler
@@ -53,6 +53,9 @@ from agent.update.priority import thread_ids
 from agent.update.states import UpdatePolicy, UpdateState
 from agent.update.steps import DaemonSteps
 from agent.update.updater import Updater
+
+if TYPE_CHECKING:
+    from agent.fleet.device import FleetDevice
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,12 @@ class Daemon:
         self.update_steps: DaemonSteps | None = None
         updater = attach_updater(self, policy=update_policy, canary=canary_policy,
                                  download=download_policy)
+        self.fleet: FleetDevice | None = None
+        if config.fleet.enabled:
+            # Imported here: paho (the device extra) only on boards that use fleet control.
+            from agent.fleet.service import attach_fleet
+
+            attach_fleet(self)
         self.autoscaler = Autoscaler(self)
         if self.autoscaler.enabled:
             self.add_task("autoscaler", self.autoscaler.run)
@@ -355,6 +364,7 @@ class Daemon:
             "models": {name: service.version for name, service in self.services.items()},
             "tasks": [task.to_json() for task in self.supervisor.status()],
             "failure": str(self.failure) if self.failure else None,
+            "fleet": self.fleet.status() if self.fleet is not None else None,
         }
 
     async def _status_command(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:
