@@ -30,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pipeline.set_defaults(handler=run_pipeline)
     register_serve(kinds)
     register_swap(kinds)
+    register_fleet(kinds)
 
 
 def check_json_path(path: Path | None) -> None:
@@ -165,6 +166,54 @@ def run_swap(args: argparse.Namespace) -> int:
         load_fraction=args.load_fraction, workers=args.workers, gap_s=args.gap,
         watch_window_s=args.watch_window, canary_min_samples=args.canary_min_samples,
         config=args.config, backend=args.backend)
+    check_json_path(args.json)
+    summary = run_bench(options)
+    print(format_summary(summary))
+    if args.json:
+        write_summary(summary, args.json)
+        print(f"wrote {args.json}")
+    return 1 if not all(value is not False for value in summary["targets"].values()) else 0
+
+
+def register_fleet(kinds: argparse._SubParsersAction) -> None:
+    from agent.tooling.fleetbench.bench import FleetBenchOptions
+
+    defaults = FleetBenchOptions()
+    fleet = kinds.add_parser(
+        "fleet",
+        help="N agents on one TLS broker: a deploy to all, a deploy through a broker crash, a "
+             "misbehaving version stopped by a staged rollout",
+        description="Makes its own fleet workspace, broker (Mosquitto, the production "
+                    "configuration), devices, bundles and file server. Each agent is the real "
+                    "MQTT link, control plane and updater, downloading, verifying, installing "
+                    "and loading each version (ONNX Runtime) with a warm-up; it serves no "
+                    "traffic, so the canary and the watch window are skipped. Needs the device "
+                    "extra and mosquitto.")
+    fleet.add_argument("--agents", type=int, default=defaults.agents)
+    fleet.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
+    fleet.add_argument("--processes", type=int, default=defaults.processes,
+                       help="processes the agents run in (0: one per 150 agents, at most one "
+                            "per CPU)")
+    fleet.add_argument("--canary", type=int, default=defaults.canary, metavar="DEVICES",
+                       help="the misbehaving version's first stage")
+    fleet.add_argument("--phase-timeout", type=float, default=defaults.phase_timeout_s,
+                       metavar="SECONDS", help="after this, a phase's stragglers count as lost")
+    fleet.add_argument("--broker-down", type=float, default=defaults.broker_down_s,
+                       metavar="SECONDS", help="how long the killed broker stays down")
+    fleet.add_argument("--work-dir", type=Path, metavar="DIR",
+                       help="keep everything here (an empty or new directory; default: a "
+                            "temporary one, removed)")
+    fleet.set_defaults(handler=run_fleet)
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    require("onnxruntime", extra="device", purpose="edge-agent bench fleet")
+    require("paho.mqtt", extra="device", purpose="edge-agent bench fleet")
+    from agent.tooling.fleetbench.bench import FleetBenchOptions, format_summary, run_bench
+
+    options = FleetBenchOptions(agents=args.agents, processes=args.processes, canary=args.canary,
+                                phase_timeout_s=args.phase_timeout,
+                                broker_down_s=args.broker_down, work_dir=args.work_dir)
     check_json_path(args.json)
     summary = run_bench(options)
     print(format_summary(summary))

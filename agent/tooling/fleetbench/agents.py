@@ -193,6 +193,7 @@ async def run(spec: ProcessSpec) -> int:
     pool = ThreadPoolExecutor(spec.pool_threads, thread_name_prefix="fleetbench-files")
     bundle_keys = [load_public_key(path) for path in spec.bundle_keys]
     fleet_keys = {path: load_public_key(path) for path in {a.fleet_key for a in spec.agents}}
+    base = _process_figures()  # imports done, no agent yet
     started = time.monotonic()
     agents = [BenchAgent(spec, entry, bundle_keys=bundle_keys, fleet_keys=[fleet_keys[
         entry.fleet_key]], pool=pool) for entry in spec.agents]
@@ -208,7 +209,8 @@ async def run(spec: ProcessSpec) -> int:
         await asyncio.sleep(0.1)
     _emit("ready", process=spec.index, agents=len(agents),
           prepare_s=round(prepared - started, 3),
-          connect_s=round(time.monotonic() - prepared, 3), **_process_figures())
+          connect_s=round(time.monotonic() - prepared, 3), base_rss_mib=base.get("rss_mib"),
+          **_process_figures())
     reader = await _commands()
     try:
         while True:

@@ -69,6 +69,7 @@ class FleetBroker:
         self.config_file = workspace.broker_dir / CONFIG_FILE
         self.log_file = log_file
         self._process: subprocess.Popen[bytes] | None = None
+        self._earlier_cpu_s = 0.0  # what the instances before this one used
 
     @property
     def pid(self) -> int | None:
@@ -98,8 +99,14 @@ class FleetBroker:
     def kill(self) -> None:
         """SIGKILL, and wait until it is gone."""
         if self._process is not None and self._process.poll() is None:
+            self._earlier_cpu_s += process_cpu_s(self._process.pid) or 0.0
             self._process.send_signal(signal.SIGKILL)
             self._process.wait()
+
+    def cpu_s(self) -> float:
+        """CPU seconds used by every instance so far (a killed one's up to its kill)."""
+        running = process_cpu_s(self.pid) if self.pid is not None else None
+        return self._earlier_cpu_s + (running or 0.0)
 
     def stop(self) -> None:
         """SIGTERM (Mosquitto saves its store), SIGKILL after 10 s."""
