@@ -38,7 +38,7 @@ def device_options(workspace: Workspace, device: str, *, client_id: str | None =
     """How the provisioned device connects, from the files ``devices add`` wrote for it."""
     out = workspace.devices_dir / device
     config = tomllib.loads((out / "agent.toml").read_text())["fleet"]
-    assert config["broker_port"] == workspace.device_port
+    assert config["port"] == workspace.device_port
     auth: dict[str, Any]
     if workspace.device_auth == "certificate":
         auth = {"cert_file": out / "device.crt", "key_file": out / "device.key"}

@@ -377,7 +377,8 @@ def test_a_device_whose_earlier_model_is_unknown_gets_the_updaters_rollback() ->
     command = actions[0].document
     assert command.command == "rollback" and command.needs_signature
     assert advance(rollout, fleet.views, at(4)) == []  # sent once
-    fleet.answer("a", "converged", OLD)
+    # The device rolls back; its stored desired document is marked failed by the command.
+    fleet.answer("a", "failed", OLD, reason="operator_rollback")
     advance(rollout, fleet.views, at(5))
     assert rollout.state == "rolled_back"
 
@@ -504,7 +505,7 @@ def test_progress_lines_name_stages_devices_and_the_abort() -> None:
     fleet.answer("a", "failed", OLD, reason="canary_nan")
     advance(rollout, fleet.views, at(1))
     lines = changes(before, rollout)
-    assert lines[0].startswith("rollout det-v2-test aborting: stage 1: 1 of 1 finished")
-    assert "stage 1/2 aborted" in lines
-    assert "  a: failed (canary_nan)" in lines
-    assert "  a: rollback to det 1 waiting" in lines
+    assert lines[:3] == ["  a: failed (canary_nan)", "  a: rollback to det 1 waiting",
+                         "stage 1/2 aborted"]
+    assert lines[3].startswith("rollout det-v2-test aborting: stage 1: 1 of 1 finished")
+    assert changes(None, rollout)[0].startswith("rollout det-v2-test aborting")

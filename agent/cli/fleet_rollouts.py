@@ -85,6 +85,9 @@ def register(actions: Any, common: argparse.ArgumentParser) -> None:
     watch.add_argument("rollout_id", nargs="?", metavar="ROLLOUT_ID",
                        help="default: the newest rollout that has not ended")
     watch.add_argument("--observe-only", action="store_true")
+    watch.add_argument("--stale-after-s", type=_seconds, default=60.0, metavar="S",
+                       help="take the rollout over once its driver's last heartbeat is this "
+                            "old (drivers beat every 15 s)")
     watch.add_argument("--timeout-s", type=_seconds, metavar="S",
                        help="stop watching after this long (exit 4)")
     watch.set_defaults(handler=run_watch)
@@ -417,7 +420,8 @@ def run_watch(args: argparse.Namespace) -> int:
             shown = snapshot(rollout)
             if rollout.final:
                 return _exit_for(rollout)
-            if not args.observe_only and not driver_is_fresh(rollout, utc_now(), 60.0):
+            if not args.observe_only and not driver_is_fresh(rollout, utc_now(),
+                                                             args.stale_after_s):
                 _say(f"the rollout's driver went quiet"
                      f"{f' ({rollout.driver.id})' if rollout.driver else ''}; driving it "
                      "from here")
@@ -437,8 +441,9 @@ def run_watch(args: argparse.Namespace) -> int:
                 return EXIT_WAITING
             changed.clear()
             try:
+                pause = min(5.0, args.stale_after_s / 2)
                 await asyncio.wait_for(changed.wait(),
-                                       5.0 if remaining is None else min(5.0, remaining))
+                                       pause if remaining is None else min(pause, remaining))
             except asyncio.TimeoutError:
                 pass
 

@@ -190,7 +190,10 @@ class RolloutDriver:
         self._shown = snapshot(self.rollout)
         await self._repair()
         while True:
-            if self.link.reconnected.is_set():
+            # Never a step on a view the broker is still filling after a connect (it would
+            # take a device that has no documents yet for a new one): sync first, repair what
+            # the broker lost, and check again, with no await between the check and the step.
+            if not self.link.synced or self.link.reconnected.is_set():
                 self.link.reconnected.clear()
                 try:
                     await self.link.sync()
@@ -198,6 +201,7 @@ class RolloutDriver:
                     log.warning("%s", exc)
                     continue
                 await self._repair()
+                continue
             self._check_not_taken_over()
             now = self._clock()
             actions = advance(self.rollout, self.link.view.views(list(self.rollout.devices)),
@@ -271,8 +275,8 @@ class RolloutDriver:
             wanted = self.rollout.wanted_desired(device)
             if wanted is None:
                 continue
-            seen = self.link.view.device(device)
-            if seen.desired_floor < wanted.version:
+            held = self.link.view.desired.get(device)
+            if held is None or held.version < wanted.version:
                 await self._perform(PublishDesired(wanted))
 
 

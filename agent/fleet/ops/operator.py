@@ -69,7 +69,13 @@ class FleetView:
 
     fleet: str
     trusted_keys: list[Ed25519PublicKey]
+    # The broker's retained desired documents as of this connection (forgotten at every
+    # connect: a broker that restarted without its store has none), and the highest desired
+    # version ever seen for each device (kept: a device may have taken it).
     desired: dict[str, _DesiredSeen] = field(default_factory=dict)
+    desired_floor: dict[str, int] = field(default_factory=dict)
+    # The newest reported and online documents seen (kept across connects: the last word of
+    # a device is still its last word while the broker has lost it).
     reported: dict[str, Reported] = field(default_factory=dict)
     online: dict[str, Online] = field(default_factory=dict)
     rollouts: dict[str, Rollout] = field(default_factory=dict)
@@ -79,11 +85,15 @@ class FleetView:
     def devices(self) -> list[str]:
         return sorted({*self.desired, *self.reported, *self.online})
 
+    def forget_retained_desired(self) -> None:
+        """At a connect: the broker sends its retained desired documents again."""
+        self.desired.clear()
+
     def device(self, device: str) -> DeviceView:
         seen = self.desired.get(device)
         online = self.online.get(device)
         return DeviceView(desired=seen.document if seen is not None else None,
-                          desired_floor=seen.version if seen is not None else 0,
+                          desired_floor=self.desired_floor.get(device, 0),
                           reported=self.reported.get(device),
                           online=online.online if online is not None else None,
                           responses=self.responses.get(device, {}))
@@ -145,12 +155,16 @@ class FleetView:
             return
         try:
             document = open_envelope(payload, self.trusted_keys, Desired).document
-            self.desired[device] = _DesiredSeen(document, document.version, payload)
         except DocumentError:
             # Not ours to trust (another key, a forgery): its version still counts, since a
             # device trusting another fleet key may have taken it.
-            self.desired[device] = _DesiredSeen(None, _claimed_version(payload), payload)
+            self._hold_desired(device, _DesiredSeen(None, _claimed_version(payload), payload))
             raise
+        self._hold_desired(device, _DesiredSeen(document, document.version, payload))
+
+    def _hold_desired(self, device: str, seen: _DesiredSeen) -> None:
+        self.desired[device] = seen
+        self.desired_floor[device] = max(self.desired_floor.get(device, 0), seen.version)
 
 
 def _claimed_version(payload: bytes) -> int:
@@ -256,6 +270,7 @@ class OperatorLink:
     async def _connected(self, session_present: bool) -> None:
         self._connects += 1
         self._synced.clear()
+        self.view.forget_retained_desired()
         self._sync_token = b""
         if self._connects > 1:
             self.reconnected.set()

@@ -711,20 +711,15 @@ def _follow_rollback(rollout: Rollout, views: Mapping[str, DeviceView],
             back.status, back.reason = "superseded", f"desired version {status.version}"
         elif status is not None and status.version == back.desired.version:
             applied = reported.applied if reported is not None else None
-            if status.status == "applying":
+            if back.model is None:
+                actions += _without_model(rollout, device, back, view, now)
+            elif status.status == "applying":
                 back.status = "applying"
-            elif status.status == "converged" and back.model is not None:
+            elif status.status == "converged":
                 if _matches(applied, back.model):
                     back.status, back.reason = "done", None
                 else:
                     back.status, back.reason = "failed", "converged on another model"
-            elif status.status == "converged":
-                # No earlier model to name: the updater's own rollback, once the device
-                # shows it took the new version.
-                if _matches(applied, rollout.model):
-                    actions += _rollback_command(rollout, device, back, view, now)
-                else:
-                    back.status, back.reason = "done", None
             else:
                 back.status, back.reason = "failed", status.reason or status.status
         if back.status in _OPEN and deadline_passed:
@@ -741,19 +736,33 @@ def _follow_rollback(rollout: Rollout, views: Mapping[str, DeviceView],
     return actions
 
 
-def _rollback_command(rollout: Rollout, device: str, back: RollbackEntry, view: DeviceView,
-                      now: datetime.datetime) -> list[Action]:
-    if back.command is not None:
-        response = view.responses.get(back.command)
-        if response is not None and not response.ok:
-            back.status = "failed"
-            back.reason = response.error.reason if response.error else "rollback refused"
+def _without_model(rollout: Rollout, device: str, back: RollbackEntry, view: DeviceView,
+                   now: datetime.datetime) -> list[Action]:
+    """A device whose earlier model cannot be named has taken the rollback's desired document
+    (no model: nothing to change): if it runs the rollout's model, the updater's own rollback
+    takes it back (a signed ``rollback`` command, sent once); done once it runs another one."""
+    reported = view.reported
+    assert reported is not None and reported.desired is not None
+    on_new_model = _matches(reported.applied, rollout.model)
+    if back.command is None:
+        if reported.desired.status == "applying":
+            back.status = "applying"
+        elif on_new_model:
+            back.command = f"{rollout.rollout_id[:40]}.rb.{back.desired.version}"
+            back.status = "applying"
+            return [SendCommand(Command(fleet=rollout.fleet, device=device,
+                                        request_id=back.command, command="rollback", args={},
+                                        issued_at=now, expires_at=now + COMMAND_LIFETIME))]
+        else:
+            back.status, back.reason = "done", None
         return []
-    back.command = f"{rollout.rollout_id[:40]}.rb.{back.desired.version}"
-    back.status = "applying"
-    return [SendCommand(Command(fleet=rollout.fleet, device=device, request_id=back.command,
-                                command="rollback", args={}, issued_at=now,
-                                expires_at=now + COMMAND_LIFETIME))]
+    response = view.responses.get(back.command)
+    if response is not None and not response.ok:
+        back.status = "failed"
+        back.reason = response.error.reason if response.error else "rollback refused"
+    elif not on_new_model:  # (its answer may have been lost; what it runs is what counts)
+        back.status, back.reason = "done", None
+    return []
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -763,31 +772,38 @@ def _seconds(value: float) -> datetime.timedelta:
 # -- what changed, for progress lines ------------------------------------------------------------
 
 def changes(before: Rollout | None, after: Rollout) -> list[str]:
-    """One line for each thing that changed between two states of a rollout."""
-    lines: list[str] = []
-    if before is None or before.state != after.state:
-        lines.append(_state_line(after))
+    """One line for each thing that changed between two states of a rollout: stages started,
+    its devices, stages ended, then its state (first, as a heading, with no earlier state)."""
+    started: list[str] = []
+    ended: list[str] = []
     for index, stage in enumerate(after.stages):
         old = before.stages[index] if before is not None else None
         if stage.started_at is not None and (old is None or old.started_at is None):
-            lines.append(f"stage {index + 1}/{len(after.stages)} started: "
-                         f"{len(stage.devices)} devices ({', '.join(stage.devices[:8])}"
-                         f"{', ...' if len(stage.devices) > 8 else ''})")
+            started.append(f"stage {index + 1}/{len(after.stages)} started: "
+                           f"{len(stage.devices)} devices ({', '.join(stage.devices[:8])}"
+                           f"{', ...' if len(stage.devices) > 8 else ''})")
         if stage.result is not None and (old is None or old.result != stage.result):
-            lines.append(f"stage {index + 1}/{len(after.stages)} {stage.result}")
+            ended.append(f"stage {index + 1}/{len(after.stages)} {stage.result}")
+    devices: list[str] = []
     for device, entry in sorted(after.devices.items()):
         old_entry = before.devices.get(device) if before is not None else None
         if old_entry is None or (old_entry.status, old_entry.reason) != (entry.status,
                                                                           entry.reason):
             if entry.status != "pending":
-                lines.append(f"  {device}: {entry.status}"
-                             + (f" ({entry.reason})" if entry.reason else ""))
+                devices.append(f"  {device}: {entry.status}"
+                               + (f" ({entry.reason})" if entry.reason else ""))
         back, old_back = entry.rollback, old_entry.rollback if old_entry is not None else None
         if back is not None and (old_back is None or (old_back.status, old_back.reason)
                                  != (back.status, back.reason)):
-            target = f"{back.model.name} {back.model.version}" if back.model else "its earlier model"
-            lines.append(f"  {device}: rollback to {target} {back.status}"
-                         + (f" ({back.reason})" if back.reason else ""))
+            target = (f"{back.model.name} {back.model.version}" if back.model
+                      else "its earlier model")
+            devices.append(f"  {device}: rollback to {target} {back.status}"
+                           + (f" ({back.reason})" if back.reason else ""))
+    lines = started + devices + ended
+    if before is None:
+        lines.insert(0, _state_line(after))
+    elif before.state != after.state:
+        lines.append(_state_line(after))
     return lines
 
 

@@ -170,15 +170,18 @@ class Workspace:
         return [load_public_key(path) for path in self.bundle_keys]
 
     def operator_options(self, client_id: str, **overrides: Any) -> Any:
-        """:class:`~agent.fleet.mqtt.BrokerOptions` for an operator process (TLS with the
-        operator certificate on the operator listener)."""
+        """:class:`~agent.fleet.mqtt.BrokerOptions` for an operator process: TLS with the
+        operator certificate on the operator listener, no session kept (the state is in
+        retained documents, read on every connect), reconnects within 10 s of a broker's
+        return (one operator, not hundreds of boards)."""
         from agent.fleet.mqtt import BrokerOptions
 
         cert, key = self.operator_cert
         return BrokerOptions(**{"host": self.broker_host, "port": self.operator_port,
                                 "client_id": client_id, "protocol": self.protocol, "tls": True,
                                 "ca_file": self.fleet_ca[0], "cert_file": cert,
-                                "key_file": key, **overrides})
+                                "key_file": key, "session_expiry_s": 0,
+                                "reconnect_min_s": 0.5, "reconnect_max_s": 10.0, **overrides})
 
 
 def _relative(root: Path, value: str) -> Path:
