@@ -49,10 +49,10 @@ class Operator:
     ``edge/<fleet>/#`` and publishing signed documents."""
 
     def __init__(self, broker: Mosquitto | NatsCluster, key: Any, *, protocol: str = "5",
-                 node: int = 0) -> None:
+                 node: int = 0, options: Any = None) -> None:
         self.key = key
         self.messages: list[Message] = []
-        options = (broker.options("operator", node=node, reconnect_min_s=0.05,
+        options = options or (broker.options("operator", node=node, reconnect_min_s=0.05,
                                   reconnect_max_s=0.5) if isinstance(broker, NatsCluster)
                    else broker.options("operator", protocol=protocol, reconnect_min_s=0.05,
                                        reconnect_max_s=0.5))
@@ -424,3 +424,50 @@ def test_agents_on_different_nats_nodes_converge_in_mqtt_311_mode(
         run(scenario)
     finally:
         cluster.close()
+
+
+DEVICE_ACL = f"""\
+user operator
+topic readwrite edge/{FLEET}/#
+pattern read edge/{FLEET}/%u/desired
+pattern read edge/{FLEET}/%u/cmd
+pattern write edge/{FLEET}/%u/reported
+pattern write edge/{FLEET}/%u/events
+pattern write edge/{FLEET}/%u/online
+pattern write edge/{FLEET}/%u/resp/#
+"""
+
+
+def test_a_device_with_a_password_over_tls_under_an_acl_converges(fleet: dict[str, Any]) -> None:
+    from tests.brokers import ThrowawayCA
+
+    ca = ThrowawayCA(fleet["dir"] / "ca")
+    password_file = fleet["dir"] / "cam-1.password"
+    password_file.write_text("cam-1-secret\n")
+    password_file.chmod(0o600)
+    with Mosquitto(fleet["dir"] / "tls-broker", allow_anonymous=False, tls_ca=ca,
+                   require_certificate=False, plain_listener=False, acl=DEVICE_ACL,
+                   passwords={"operator": "op-secret", "cam-1": "cam-1-secret"}) as broker:
+        base = device_config(fleet, "cam-1")
+        config = load_config(None, env={}, overrides={
+            "state_dir": base.state_dir, "http.port": 0, "serving.backend": "onnxruntime",
+            "trust.public_keys": [fleet["bundle_pub"]], "device_id": "cam-1",
+            "fleet.enabled": True, "fleet.broker": "127.0.0.1", "fleet.port": broker.tls_port,
+            "fleet.tls": True, "fleet.ca_file": ca.ca_file, "fleet.username": "cam-1",
+            "fleet.password_file": password_file, "fleet.fleet": FLEET,
+            "fleet.public_keys": [fleet["fleet_pub"]], "fleet.reconnect_min_s": 0.05,
+            "fleet.reconnect_max_s": 0.5})
+
+        async def scenario() -> None:
+            operator = Operator(broker, fleet["fleet_key"], options=broker.options(
+                "operator", tls=True, username="operator", password="op-secret"))
+            async with operator, Running(daemon(config)):
+                await operator.until(lambda: operator.reported("cam-1") is not None,
+                                     "a report over TLS")
+                await operator.desired("cam-1", 1, fleet["bundles"][2])
+                await operator.until(lambda: operator.committed("cam-1", 2), "v2 committed")
+                await operator.command("cam-1", "s-1", "status", signed=False)
+                await operator.until(lambda: operator.on(f"edge/{FLEET}/cam-1/resp/s-1"),
+                                     "the answer")
+
+        run(scenario)
