@@ -4,8 +4,11 @@ Each agent is what a device's daemon runs for fleet control, minus serving: its 
 directory with a model store (the first version installed and current, as ``serve --bundle``
 leaves it), an :class:`~agent.update.updater.Updater` with its journal there and the benchmark's
 steps (agent/tooling/fleetbench/steps.py), and a :class:`~agent.fleet.device.FleetDevice` with
-its own :class:`~agent.fleet.mqtt.MqttLink` (its own paho thread and TLS connection, its
-device's user name and password from ``devices add``). The agents share the process's event loop
+its own :class:`~agent.fleet.mqtt.MqttLink` (its own paho thread and TLS connection). Each is
+made from the ``agent.toml`` that ``fleet devices add`` wrote for its device, loaded as the
+daemon loads its configuration (the broker, the device's user name and password, the fleet's and
+the bundles' keys), with the broker options the daemon derives from it
+(agent/fleet/service.py). The agents share the process's event loop
 and two thread pools: the loop's default executor (journal and state writes) and the steps' pool
 (hashing, installs, ONNX Runtime sessions).
 
@@ -18,6 +21,7 @@ with ``{"event": "report", "agents": [...], ...}`` and ``{"cmd": "stop"}`` with
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -29,11 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-from agent.config.schema import FleetConfig
 from agent.errors import FleetError
-from agent.fleet.mqtt import BrokerOptions
 from agent.store import ModelStore
 from agent.tooling.fleetbench.steps import BenchSteps, load_version
 from agent.update.states import UpdatePolicy
@@ -48,12 +48,11 @@ CONNECT_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True, kw_only=True)
 class AgentEntry:
-    """One device, as ``devices add`` provisioned it."""
+    """One device: its id and the ``agent.toml`` that ``devices add`` wrote for it (the broker,
+    its credentials, the fleet's and the bundles' keys, naming the files where they are)."""
 
     device: str
-    password_file: Path
-    ca_file: Path
-    fleet_key: Path
+    config: Path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,9 +61,6 @@ class ProcessSpec:
 
     Args:
         index: The process's number (for names and logs).
-        fleet: The fleet id.
-        host, port: The broker's device listener.
-        bundle_keys: The trusted bundle keys.
         first_bundle: The version every agent starts with.
         state_root: The agents' state directories go under it, one per device.
         log_file: The process's log.
@@ -74,10 +70,6 @@ class ProcessSpec:
     """
 
     index: int
-    fleet: str
-    host: str
-    port: int
-    bundle_keys: list[Path]
     first_bundle: Path
     state_root: Path
     log_file: Path
@@ -92,42 +84,42 @@ class ProcessSpec:
     @classmethod
     def read(cls, path: Path) -> ProcessSpec:
         data = json.loads(path.read_text())
-        data["agents"] = [AgentEntry(**{key: Path(value) if key != "device" else value
-                                        for key, value in entry.items()})
+        data["agents"] = [AgentEntry(device=entry["device"], config=Path(entry["config"]))
                           for entry in data["agents"]]
         for name in ("first_bundle", "state_root", "log_file"):
             data[name] = Path(data[name])
-        data["bundle_keys"] = [Path(path) for path in data["bundle_keys"]]
         return cls(**data)
 
 
 class BenchAgent:
-    """One agent (the module's docstring). Cheap to construct; :meth:`prepare` (blocking) and
-    :meth:`start` do the work."""
+    """One agent (the module's docstring), made from its device's ``agent.toml`` (blocking:
+    the configuration and its key and password files are read here); :meth:`prepare`
+    (blocking) and :meth:`start` do the rest."""
 
-    def __init__(self, spec: ProcessSpec, entry: AgentEntry, *,
-                 bundle_keys: list[Ed25519PublicKey], fleet_keys: list[Ed25519PublicKey],
-                 pool: ThreadPoolExecutor) -> None:
+    def __init__(self, spec: ProcessSpec, entry: AgentEntry, *, pool: ThreadPoolExecutor) -> None:
+        from agent.config import load_config
         from agent.fleet.device import FleetDevice
+        from agent.fleet.service import broker_options, fingerprint
 
-        self.device = entry.device
         self.spec = spec
         self.state_dir = spec.state_root / entry.device
-        self.store = ModelStore(self.state_dir, trusted_keys=bundle_keys)
-        self.steps = BenchSteps(store=self.store, state_dir=self.state_dir, keys=bundle_keys,
-                                pool=pool)
+        config = load_config(entry.config, env={}, overrides={"state_dir": self.state_dir})
+        if config.device_id != entry.device or not config.fleet.enabled:
+            raise FleetError("the device's agent.toml is not this device's fleet "
+                             "configuration", reason="bad_config", device=entry.device,
+                             path=entry.config)
+        self.device = config.device_id
+        self.store = ModelStore(self.state_dir, trusted_keys=config.trust.keys,
+                                keep_versions=config.store.keep_versions)
+        self.steps = BenchSteps(store=self.store, state_dir=self.state_dir,
+                                keys=list(config.trust.keys), pool=pool,
+                                device_class=config.device_class)
         self.updater = Updater(state_dir=self.state_dir, steps=self.steps,
                                policy=UpdatePolicy())
-        defaults = FleetConfig()
-        options = BrokerOptions(
-            host=spec.host, port=spec.port, client_id=entry.device, username=entry.device,
-            password=entry.password_file.read_text().strip(), tls=True, ca_file=entry.ca_file,
-            keepalive_s=defaults.keepalive_s, session_expiry_s=defaults.session_expiry_s,
-            reconnect_min_s=defaults.reconnect_min_s, reconnect_max_s=defaults.reconnect_max_s)
         self.plane = FleetDevice(
-            fleet=spec.fleet, device=entry.device, updater=self.updater,
-            state_dir=self.state_dir, keys=fleet_keys, options=options,
-            fingerprint={"device_class": None, "bench": "fleet", "process": spec.index},
+            fleet=config.fleet.fleet, device=config.device_id, updater=self.updater,
+            state_dir=self.state_dir, keys=config.fleet.keys, options=broker_options(config),
+            fingerprint={**fingerprint(config), "bench": "fleet", "process": spec.index},
             health=lambda: {"daemon": "bench-agent"})
 
     def prepare(self) -> None:
@@ -185,18 +177,18 @@ async def _commands() -> asyncio.StreamReader:
 
 
 async def run(spec: ProcessSpec) -> int:
-    from models.signing import load_public_key
-
     loop = asyncio.get_running_loop()
     loop.set_default_executor(ThreadPoolExecutor(spec.executor_threads,
                                                  thread_name_prefix="fleetbench-io"))
     pool = ThreadPoolExecutor(spec.pool_threads, thread_name_prefix="fleetbench-files")
-    bundle_keys = [load_public_key(path) for path in spec.bundle_keys]
-    fleet_keys = {path: load_public_key(path) for path in {a.fleet_key for a in spec.agents}}
-    base = _process_figures()  # imports done, no agent yet
+    # What every process holds before its first agent: the modules, ONNX Runtime's included.
+    import onnxruntime  # noqa: F401
+
+    import agent.fleet.device  # noqa: F401
+    base = _process_figures()
     started = time.monotonic()
-    agents = [BenchAgent(spec, entry, bundle_keys=bundle_keys, fleet_keys=[fleet_keys[
-        entry.fleet_key]], pool=pool) for entry in spec.agents]
+    agents = list(await asyncio.gather(*(loop.run_in_executor(
+        pool, functools.partial(BenchAgent, spec, entry, pool=pool)) for entry in spec.agents)))
     await asyncio.gather(*(loop.run_in_executor(pool, agent.prepare) for agent in agents))
     prepared = time.monotonic()
     await asyncio.gather(*(agent.start() for agent in agents))

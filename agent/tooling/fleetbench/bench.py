@@ -40,6 +40,7 @@ The phases, each a rollout to every agent:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import getpass
 import json
@@ -190,9 +191,7 @@ def _make_fleet(work: Path, options: FleetBenchOptions) -> _Fleet:
         # install_dir = where the files are: the agent uses them in place.
         add_device(workspace, device, groups=["bench"], out_dir=directory,
                    install_dir=directory)
-        entries.append(AgentEntry(device=device, password_file=directory / "mqtt-password",
-                                  ca_file=directory / "fleet-ca.crt",
-                                  fleet_key=directory / "fleet.pub"))
+        entries.append(AgentEntry(device=device, config=directory / "agent.toml"))
     timings["provision_s"] = time.monotonic() - started
     return _Fleet(workspace=workspace, devices=devices, entries=entries, bundles=bundles,
                   first_bundle=made[1], file_port=file_port, timings=timings)
@@ -308,9 +307,7 @@ class _Run:
         begun = time.monotonic()
         for index in range(count):
             spec = ProcessSpec(
-                index=index, fleet=FLEET, host="127.0.0.1", port=self.workspace.device_port,
-                bundle_keys=[self.fleet.bundles.public_key_path],
-                first_bundle=self.fleet.first_bundle, state_root=self.work / "agents",
+                index=index, first_bundle=self.fleet.first_bundle, state_root=self.work / "agents",
                 log_file=self.work / f"agents-{index}.log",
                 agents=self.fleet.entries[index::count], pool_threads=self.options.pool_threads)
             path = spec.write(self.work / f"agents-{index}.json")
@@ -602,7 +599,10 @@ def _ground_truth(agents: list[dict[str, Any]], bad: int) -> dict[str, Any]:
     repeated = sorted(agent["device"] for agent in agents
                       if len(agent["record"]["committed"]) != len(set(
                           agent["record"]["committed"])))
+    histories = collections.Counter(",".join(map(str, agent["record"]["committed"]))
+                                    for agent in agents)
     return {"verified_bad": took, "served_bad": served, "refused_bad_at_warmup": refused,
+            "committed_versions": dict(sorted(histories.items())),
             "committed_a_version_twice": repeated,
             "disconnected_at_end": sorted(agent["device"] for agent in agents
                                           if not agent["connected"]),
