@@ -286,6 +286,7 @@ class _Run:
         self.found: dict[str, Any] = {"setup": dict(fleet.timings), "phases": {}}
         self.broker_peak_mib = 0.0
         self.lost: set[str] = set()
+        self.stage_started_s: list[float] = []  # the running rollout's stages, all sent out
 
     # -- starting and stopping
 
@@ -425,7 +426,13 @@ class _Run:
                               model=model, devices=self.devices, policy=policy, now=utc_now(),
                               views=self.link.view.views(self.devices))
 
+        started = time.monotonic()
+        self.stage_started_s = []
+
         def progress(line: str) -> None:
+            if line.startswith("stage ") and " started: " in line:
+                # Said once the stage's desired documents are all out.
+                self.stage_started_s.append(round(time.monotonic() - started, 3))
             if not line.startswith(" "):  # the rollout's and stages' lines, not each device's
                 _say(f"  [{phase}] {line}")
 
@@ -457,7 +464,9 @@ class _Run:
         converge_s = time.monotonic() - started if done else None
         final = await self._finish(task, self.options.phase_timeout_s -
                                    (time.monotonic() - started))
-        result: dict[str, Any] = {"version": version, "converge_s": converge_s}
+        result: dict[str, Any] = {"version": version, "converge_s": converge_s,
+                                  "desired_out_s": list(self.stage_started_s),
+                                  "converged_at_s": self._quantiles(version, started)}
         if killer is not None:
             result["broker_restart"] = await killer
         missing = [device for device in self.devices
@@ -471,6 +480,20 @@ class _Run:
              f"v{version}" + (f" in {converge_s:.1f} s" if converge_s is not None else
                               f"; {len(missing)} not within {self.options.phase_timeout_s:g} s"))
         return result
+
+    def _quantiles(self, version: int, started: float) -> dict[str, float | None]:
+        """When the first, half, nine in ten and all of the agents were seen converged."""
+        assert self.observer is not None
+        times = sorted(self.observer.converged_at[(device, version)] - started
+                       for device in self.devices
+                       if (device, version) in self.observer.converged_at)
+
+        def at(share: float) -> float | None:
+            needed = max(1, math.ceil(share * len(self.devices)))
+            return round(times[needed - 1], 3) if len(times) >= needed else None
+
+        return {"first": at(1 / len(self.devices)), "half": at(0.5), "p90": at(0.9),
+                "all": at(1.0)}
 
     async def _kill_broker(self, version: int, started: float) -> dict[str, Any]:
         assert self.observer is not None
@@ -568,6 +591,7 @@ class _Run:
         self.lost.update(missing)
         result.update(
             aborted=True, abort_s=round(aborted - started, 3), abort=rollout.abort.to_json(),
+            desired_out_s=list(self.stage_started_s),
             reached=reached, reverted_s=reverted_s, everyone_on_good_version=others_fine,
             not_on_good_version=missing,
             rollout_state=final.state if final is not None else "unfinished",
@@ -714,6 +738,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"broker {memory['broker_peak_rss_mib']:.0f} MiB, operator and file server "
         f"{memory['operator_peak_rss_mib']:.0f} MiB",
     ]
+    for name in ("converge", "broker_restart"):
+        phase = summary["phases"][name]
+        times = phase.get("converged_at_s") or {}
+        out = phase.get("desired_out_s") or ["-"]
+        lines.append(f"{name}: every desired document out at {out[0]} s; converged: first "
+                     f"{times.get('first', '-')} s, half {times.get('half', '-')} s, 90 % "
+                     f"{times.get('p90', '-')} s, all {times.get('all', '-')} s")
     for name in ("converge", "broker_restart", "misbehaving"):
         cpu = summary["phases"][name].get("cpu_s")
         if cpu:

@@ -59,6 +59,8 @@ class FleetObserver:
         self.reported: dict[str, Reported] = {}
         self.connects = 0
         self.messages = 0
+        # (device, model version) -> when it was first seen converged on it (monotonic).
+        self.converged_at: dict[tuple[str, int], float] = {}
         self.changed = asyncio.Event()
         self.link = MqttLink(options, subscriptions=[
             (topics.fleet_filter(fleet, topics.DESIRED), 1),
@@ -98,6 +100,11 @@ class FleetObserver:
         except DocumentError as exc:
             log.warning("the observer could not read a message on %s: %s", message.topic, exc)
             return
+        wanted = self.desired.get(device)
+        if wanted is not None and wanted.model is not None:
+            version = wanted.model.version
+            if self.standing(device, version).status == "converged":
+                self.converged_at.setdefault((device, version), time.monotonic())
         self.changed.set()
 
     # -- the view -------------------------------------------------------------------------------
