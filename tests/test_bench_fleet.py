@@ -79,3 +79,13 @@ def test_bench_fleet_converges_survives_a_broker_kill_and_stops_the_bad_version(
             assert 4 not in store.versions("tiny"), state_dir
     assert "converge_s_with_broker_restart" in printed and "lightweight" in printed
     assert status in (0, 1)  # 1: a target missed on a loaded machine; the figures are the test
+
+
+def test_more_agents_than_one_process_can_watch_are_refused_with_the_reason() -> None:
+    from agent.errors import ConfigError
+    from agent.tooling.fleetbench.bench import FleetBenchOptions
+
+    assert FleetBenchOptions(agents=300).process_count() == 3
+    assert FleetBenchOptions(agents=5).process_count() == 1
+    with pytest.raises(ConfigError, match="select"):
+        FleetBenchOptions(agents=300, processes=1)

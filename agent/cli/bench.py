@@ -192,8 +192,8 @@ def register_fleet(kinds: argparse._SubParsersAction) -> None:
     fleet.add_argument("--agents", type=int, default=defaults.agents)
     fleet.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
     fleet.add_argument("--processes", type=int, default=defaults.processes,
-                       help="processes the agents run in (0: one per 150 agents, at most one "
-                            "per CPU)")
+                       help="processes the agents run in (0: one per 100 agents; at most 200 "
+                            "in one)")
     fleet.add_argument("--canary", type=int, default=defaults.canary, metavar="DEVICES",
                        help="the misbehaving version's first stage")
     fleet.add_argument("--phase-timeout", type=float, default=defaults.phase_timeout_s,

@@ -166,7 +166,8 @@ def _process_figures() -> dict[str, Any]:
     from agent.tooling.fleetbench.broker import process_memory
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {**process_memory(os.getpid()), "cpu_s": usage.ru_utime + usage.ru_stime}
+    return {**process_memory(os.getpid()), "cpu_s": usage.ru_utime + usage.ru_stime,
+            "fds": len(os.listdir("/proc/self/fd"))}
 
 
 async def _commands() -> asyncio.StreamReader:

@@ -76,7 +76,13 @@ FLEET = "bench"
 READY_TIMEOUT_S = 600.0  # every agent installed, loaded and connected
 REPORT_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
-AGENTS_PER_PROCESS = 150  # beyond it another process (measured: see docs/benchmarks.md)
+# paho's network loop waits with select(), which cannot watch a file descriptor numbered 1024 or
+# more (FD_SETSIZE): a link whose socket gets such a number fails every connection attempt, and
+# paho reports it as a lost connection. An agent holds about 4 descriptors at rest (its TLS
+# socket, paho's wake-up socket pair, its store's lock) and about 3 more while it downloads and
+# installs; so at most 200 agents a process, 100 by default.
+AGENTS_PER_PROCESS = 100
+MAX_AGENTS_PER_PROCESS = 200
 LIGHTWEIGHT = ("each agent: the real MQTT link, control plane and updater (journal in its own "
                "state dir); the bundle downloaded over HTTP, verified, installed into its own "
                "store, loaded into an ONNX Runtime session and warmed up (NaN/Inf refused); "
@@ -90,8 +96,8 @@ class FleetBenchOptions:
 
     Args:
         agents: How many agents.
-        processes: How many processes they run in (0: one per ``AGENTS_PER_PROCESS``, at
-            most one per CPU).
+        processes: How many processes they run in (0: one per ``AGENTS_PER_PROCESS``); at most
+            ``MAX_AGENTS_PER_PROCESS`` agents go in one.
         canary: The misbehaving version's first stage.
         phase_timeout_s: How long a phase may take before its stragglers count as lost.
         broker_down_s: How long the broker stays down in phase 2.
@@ -115,6 +121,11 @@ class FleetBenchOptions:
         if self.processes < 0:
             raise ConfigError("--processes must be 0 (automatic) or more", key="--processes",
                               found=self.processes)
+        if math.ceil(self.agents / self.process_count()) > MAX_AGENTS_PER_PROCESS:
+            raise ConfigError(
+                f"at most {MAX_AGENTS_PER_PROCESS} agents fit in one process (paho's select() "
+                "cannot watch file descriptors from 1024 on); give more --processes",
+                key="--processes", found=self.processes, agents=self.agents)
         if not 1 <= self.canary <= self.agents:
             raise ConfigError("the canary stage must be 1 to --agents devices", key="--canary",
                               found=self.canary)
@@ -129,7 +140,7 @@ class FleetBenchOptions:
     def process_count(self) -> int:
         if self.processes:
             return min(self.processes, self.agents)
-        return max(1, min(os.cpu_count() or 1, math.ceil(self.agents / AGENTS_PER_PROCESS)))
+        return max(1, math.ceil(self.agents / AGENTS_PER_PROCESS))
 
 
 def _say(line: str) -> None:
@@ -323,7 +334,7 @@ class _Run:
         self.found["setup"]["agents_ready_s"] = time.monotonic() - begun
         self.found["setup"]["processes"] = [
             {key: event.get(key) for key in ("agents", "prepare_s", "connect_s", "base_rss_mib",
-                                             "rss_mib")}
+                                             "rss_mib", "fds")}
             for event in ready]
         _say(f"agents ready in {time.monotonic() - begun:.1f} s")
 
@@ -608,7 +619,7 @@ class _Run:
                                         REPORT_TIMEOUT_S)
         agents = [agent for event in events for agent in event["agents"]]
         processes = [{key: event.get(key) for key in ("process", "rss_mib", "peak_rss_mib",
-                                                      "threads", "cpu_s")}
+                                                      "threads", "fds", "cpu_s")}
                      for event in events]
         return {"agents": agents, "processes": processes}
 
