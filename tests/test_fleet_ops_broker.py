@@ -193,7 +193,8 @@ def test_a_device_cannot_take_over_another_devices_client_id(fleet: Any) -> None
     async def scenario() -> None:
         operator = workspace.operator_options("ops-test")
         async with connected(operator, []) as ops, \
-                connected(device_options(workspace, "cam-b"), [(f"{root}/cam-b/cmd", 1)]) as cam_b, \
+                connected(device_options(workspace, "cam-b"),
+                          [(f"{root}/cam-b/cmd", 1)]) as cam_b, \
                 connected(device_options(workspace, "cam-a", client_id="cam-b"),
                           [(f"{root}/cam-b/cmd", 1)]) as impostor:
             # The broker renamed the impostor's client id to its user name: cam-b stays.

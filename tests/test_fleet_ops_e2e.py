@@ -120,7 +120,8 @@ class Cli:
 
     def __init__(self, fleet: dict[str, Any], *args: str) -> None:
         self.args = ["fleet", args[0], "--fleet-dir", str(fleet["workspace"].root), *args[1:]]
-        self.lines: list[str] = []
+        self.lines: list[str] = []  # its output
+        self.log: list[str] = []  # its log (stderr)
         self.process: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
 
@@ -128,14 +129,20 @@ class Cli:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "agent", *self.args, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env=env, cwd=ROOT)
+            stderr=asyncio.subprocess.PIPE, env=env, cwd=ROOT)
         self._reader = asyncio.create_task(self._read())
         return self
 
     async def _read(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        async for raw in self.process.stdout:
-            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+        assert self.process is not None
+        assert self.process.stdout is not None and self.process.stderr is not None
+
+        async def read(stream: asyncio.StreamReader, into: list[str]) -> None:
+            async for raw in stream:
+                into.append(raw.decode(errors="replace").rstrip("\n"))
+
+        await asyncio.gather(read(self.process.stdout, self.lines),
+                             read(self.process.stderr, self.log))
 
     async def wait(self, timeout_s: float = CLI_TIMEOUT_S) -> int:
         assert self.process is not None and self._reader is not None
@@ -162,7 +169,7 @@ class Cli:
 
     @property
     def output(self) -> str:
-        return "\n".join(self.lines)
+        return "\n".join(self.lines + self.log)
 
 
 async def cli(fleet: dict[str, Any], *args: str, expect: int = 0) -> Cli:
@@ -175,7 +182,7 @@ async def cli(fleet: dict[str, Any], *args: str, expect: int = 0) -> Cli:
 
 async def status(fleet: dict[str, Any]) -> dict[str, Any]:
     result = await cli(fleet, "status", "--json")
-    return json.loads(result.output[result.output.index("{"):])  # type: ignore[no-any-return]
+    return json.loads("\n".join(result.lines))  # type: ignore[no-any-return]
 
 
 def serving(daemons: list[Daemon]) -> list[int]:
@@ -212,6 +219,11 @@ def test_a_staged_deploy_converges_on_every_agent_and_a_rollback_takes_them_back
             table = await cli(fleet, "status")
             assert any(line.startswith("cam-2") and "tiny 2" in line for line in table.lines)
 
+            # One device back to what it ran before the rollout that wrote its desired
+            # document, then the whole rollout (that device's way back is already done).
+            one = await cli(fleet, "rollback", "--devices", "cam-2")
+            assert "cam-2: back on tiny 1" in one.output
+            assert serving(daemons) == [2, 1, 2]
             back = await cli(fleet, "rollback", "r-good")
             assert "rolled back: 3 of 3 devices back" in back.output
             assert serving(daemons) == [1, 1, 1]
@@ -276,6 +288,9 @@ def test_a_deploy_killed_mid_way_is_resumed_and_then_taken_over_by_watch(
             # Its heartbeat is fresh: a plain resume refuses to drive it alongside.
             refused = await cli(fleet, "deploy", "--resume", "r-kill", expect=1)
             assert "another process is driving this rollout" in refused.output
+            # Nor does another rollout get the same devices meanwhile.
+            other = await cli(fleet, "deploy", "tiny", "2", "--devices", "cam-4", expect=1)
+            assert "in a rollout that has not ended" in other.output and "r-kill" in other.output
             second = await Cli(fleet, "deploy", "--resume", "r-kill", "--take-over").start()
             await second.until("stage 2/3 started")
             second.kill()

@@ -46,7 +46,8 @@ def test_publish_verifies_copies_and_indexes_a_bundle_once(tmp_path: Path) -> No
     # The same bytes again: nothing changes.
     again, new_again = publish_bundle(bundle, artifacts, [key.public_key()])
     assert not new_again and again == entry
-    assert bundle_url("https://cdn.example/b/", entry) == "https://cdn.example/b/tiny/3/tiny-3.bundle"
+    assert bundle_url("https://cdn.example/b/", entry) == (
+        "https://cdn.example/b/tiny/3/tiny-3.bundle")
 
 
 def test_publish_refuses_other_bytes_under_a_published_version(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """``edge-agent fleet``: the operator's side of fleet control over MQTT (issue 17).
 
     edge-agent fleet init --fleet plant-a --broker-host mqtt.example.com --bundle-key release.pub
-    edge-agent fleet broker-config --install-dir /etc/mosquitto/edge --persistence-dir /var/lib/mosquitto
+    edge-agent fleet broker-config --install-dir /etc/mosquitto/edge
     edge-agent fleet devices add cam-01 --group line1
     edge-agent fleet devices list
     edge-agent fleet publish resnet8-v4.bundle

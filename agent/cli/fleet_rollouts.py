@@ -331,6 +331,7 @@ def run_deploy(args: argparse.Namespace) -> int:
     from agent.fleet.documents import ModelSpec, utc_now
     from agent.fleet.ops.deploy import (
         RolloutDriver,
+        busy_devices,
         driver_is_fresh,
         make_rollout_id,
         pick_for_resume,
@@ -359,6 +360,12 @@ def run_deploy(args: argparse.Namespace) -> int:
         else:
             model: ModelSpec = _model(args, workspace)
             devices = _targets(args, workspace, link.view)
+            busy = busy_devices(link, devices)
+            if busy:
+                raise FleetError("devices are in a rollout that has not ended (watch it to its "
+                                 "end, or roll it back, first)", reason="busy",
+                                 devices=",".join(sorted(busy)),
+                                 rollouts=",".join(sorted(set(busy.values()))))
             rollout_id = args.rollout_id or make_rollout_id(model, now)
             if rollout_id in link.view.rollouts:
                 raise FleetError("a rollout with this id exists already ('deploy --resume' "
@@ -483,7 +490,8 @@ def _rollback_rollout(args: argparse.Namespace) -> int:
             _say(f"still rolling back after {args.timeout_s:g} s; 'edge-agent fleet watch "
                  f"{rollout.rollout_id}' follows it")
             return EXIT_WAITING
-        return 0 if final.state in ("rolled_back", "aborted") else 1
+        backs = [entry.rollback for entry in final.devices.values() if entry.rollback]
+        return 0 if all(back.status in ("done", "superseded") for back in backs) else 1
 
     return _run(args, body, "rollback")
 

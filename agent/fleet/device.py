@@ -564,7 +564,9 @@ class FleetDevice:
                             type=event_type, detail={"reason": "detail_unencodable",
                                                      "message": printable(str(exc), 200)}
                             ).encode()
-        log.info("fleet event %s: %s", event_type, printable(str(detail), 300))
+        log.log(logging.WARNING if event_type.endswith((".refused", "internal_error"))
+                else logging.DEBUG, "fleet event %s: %s", event_type,
+                printable(str(detail), 300))
         self._put(Publication(f"{self.root}/{topics.EVENTS}", payload))
 
     def _answer(self, message: Message, response: Response) -> None:

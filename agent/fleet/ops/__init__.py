@@ -6,5 +6,8 @@
   production Mosquitto configuration and ACL, the operator's workspace and device provisioning;
 - ``rollout``: the staged rollout as a state machine (stages, abort rules, rollback), and the
   rollout document it keeps retained on the broker;
-- ``operator``, ``deploy``: the operator's MQTT client, and the driver that runs a rollout.
+- ``operator``, ``deploy``: the operator's MQTT client, and the driver that runs a rollout;
+- ``locking``: one writer at a time for the workspace's files.
+
+docs/fleet.md is the operator's guide.
 """

@@ -110,7 +110,8 @@ class ArtifactIndex:
         if entry is None:
             known = sorted(entry.version for entry in self.entries if entry.name == name)
             raise FleetError("this model version is not in the artifact index; publish it "
-                             "first ('edge-agent fleet publish')", reason="not_published", model=name, version=version,
+                             "first ('edge-agent fleet publish')", reason="not_published",
+                             model=name, version=version,
                              index=self.directory / INDEX_NAME,
                              published_versions=",".join(map(str, known)) or "none")
         return entry
@@ -211,7 +212,8 @@ def _add(bundle: Path, directory: Path, name: str, version: int, sha256: str, si
             copied_sha256, copied_size = sha256_file(temporary)
             if (copied_sha256, copied_size) != (sha256, size):
                 raise FleetError("the bundle changed while it was being published",
-                                 reason="changed", path=bundle, expected=sha256, found=copied_sha256)
+                                 reason="changed", path=bundle, expected=sha256,
+                                 found=copied_sha256)
         entries = [other for other in index.entries if (other.name, other.version)
                    != (name, version)] + [entry]
         atomic_write_text(directory / INDEX_NAME,
@@ -225,6 +227,3 @@ def _add(bundle: Path, directory: Path, name: str, version: int, sha256: str, si
 def _utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
-
-def index_path(directory: Path) -> Path:
-    return Path(directory) / INDEX_NAME

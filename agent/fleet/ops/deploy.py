@@ -35,14 +35,12 @@ from agent.fleet.ops.artifacts import ArtifactIndex, bundle_url
 from agent.fleet.ops.operator import OperatorLink
 from agent.fleet.ops.rollout import (
     Driver,
-    Policy,
     PublishDesired,
     Rollout,
     SendCommand,
     advance,
     begin_rollback,
     changes,
-    new_rollout,
     snapshot,
 )
 from agent.fsutil import atomic_write_text, read_bounded
@@ -50,16 +48,22 @@ from agent.fsutil import atomic_write_text, read_bounded
 __all__ = [
     "DriveOptions",
     "RolloutDriver",
+    "busy_devices",
     "driver_id",
+    "driver_is_fresh",
     "index_resolver",
     "load_local",
     "make_rollout_id",
     "pick_for_resume",
+    "turn_back",
 ]
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+# Publications in flight at once (paho keeps up to 1000 queued; the broker's receive maximum is
+# usually higher than this).
+PUBLISH_BATCH = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +144,14 @@ def pick_for_resume(link: OperatorLink, rollout_id: str, local_dir: Path | None)
     return max(candidates, key=lambda rollout: rollout.revision)
 
 
+def busy_devices(link: OperatorLink, devices: Sequence[str]) -> dict[str, str]:
+    """The devices of ``devices`` that a rollout not yet ended holds (device -> rollout id):
+    two rollouts giving one device different models would undo each other."""
+    wanted = set(devices)
+    return {device: rollout.rollout_id for rollout in link.view.rollouts.values()
+            if not rollout.final for device in rollout.devices if device in wanted}
+
+
 def driver_is_fresh(rollout: Rollout, now: datetime.datetime, stale_after_s: float) -> bool:
     return rollout.driver is not None and (
         now - rollout.driver.heartbeat_at).total_seconds() < stale_after_s
@@ -207,8 +219,7 @@ class RolloutDriver:
             actions = advance(self.rollout, self.link.view.views(list(self.rollout.devices)),
                               now, resolve=self._resolve)
             await self._publish_rollout(now)
-            for action in actions:
-                await self._perform(action)
+            await self._perform_all(actions)
             self._say(changes(self._shown, self.rollout))
             self._shown = snapshot(self.rollout)
             if self.rollout.final and self._published == self._content():
@@ -267,32 +278,26 @@ class RolloutDriver:
             # leaves its device to the rollback timeout.
             log.warning("publishing to %s failed: %s", action.document.device, exc)
 
+    async def _perform_all(self, actions: Sequence[PublishDesired | SendCommand]) -> None:
+        """Publish a stage's documents a batch at a time: each publication waits for its
+        acknowledgement, and a stage of hundreds must not wait for them one by one."""
+        for start in range(0, len(actions), PUBLISH_BATCH):
+            await asyncio.gather(*(self._perform(action)
+                                   for action in actions[start:start + PUBLISH_BATCH]))
+
     async def _repair(self) -> None:
         """Republish what the broker does not have: the rollout document, and each device's
         desired document when the broker's is older than the rollout's."""
         await self._publish_rollout(self._clock(), force=True)
+        missing: list[PublishDesired | SendCommand] = []
         for device in sorted(self.rollout.devices):
             wanted = self.rollout.wanted_desired(device)
             if wanted is None:
                 continue
             held = self.link.view.desired.get(device)
             if held is None or held.version < wanted.version:
-                await self._perform(PublishDesired(wanted))
-
-
-async def create_and_drive(link: OperatorLink, *, fleet: str, model: ModelSpec,
-                           devices: Sequence[str], policy: Policy,
-                           rollout_id: str | None = None, **driver_args: object) -> Rollout:
-    """Plan a new rollout from the view of the fleet now, and drive it."""
-    now = utc_now()
-    rollout = new_rollout(fleet=fleet, rollout_id=rollout_id or make_rollout_id(model, now),
-                          model=model, devices=devices, policy=policy, now=now,
-                          views=link.view.views(devices))
-    if rollout.rollout_id in link.view.rollouts:
-        raise FleetError("a rollout with this id exists already", reason="exists",
-                         rollout=rollout.rollout_id)
-    driver = RolloutDriver(link, rollout, **driver_args)  # type: ignore[arg-type]
-    return await driver.run()
+                missing.append(PublishDesired(wanted))
+        await self._perform_all(missing)
 
 
 def turn_back(rollout: Rollout, link: OperatorLink, now: datetime.datetime) -> None:

@@ -203,7 +203,7 @@ class OperatorLink:
         self._synced = asyncio.Event()
         self.reconnected = asyncio.Event()  # set on every connect after the first
         self._connects = 0
-        self._marker_task: asyncio.Task[None] | None = None
+        self._markers: set[asyncio.Task[None]] = set()  # marker publications in flight
         subscriptions = [(topics.fleet_filter(fleet, leaf), 1)
                          for leaf in (topics.DESIRED, topics.REPORTED, topics.ONLINE,
                                       topics.RESP)]
@@ -216,7 +216,7 @@ class OperatorLink:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.link.stop()
+        await self.stop()
 
     async def start(self, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         """Connect and wait until the view holds every retained document."""
@@ -225,10 +225,14 @@ class OperatorLink:
             await self.link.wait_connected(timeout_s)
             await self.sync(timeout_s=SYNC_TIMEOUT_S)
         except BaseException:
-            await self.link.stop()
+            await self.stop()
             raise
 
     async def stop(self) -> None:
+        markers, self._markers = self._markers, set()
+        for task in markers:
+            task.cancel()
+        await asyncio.gather(*markers, return_exceptions=True)
         await self.link.stop()
 
     @property
@@ -245,8 +249,9 @@ class OperatorLink:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while not self._synced.is_set():
-            if not self._sync_token and self.link.connected:
-                await self._send_marker()
+            if self.link.connected and not self._markers and not self._sync_token:
+                # The marker of the last connect was not acknowledged: send another.
+                self._spawn_marker()
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise FleetError("the broker did not return the operator's sync marker in time",
@@ -256,6 +261,11 @@ class OperatorLink:
                 await asyncio.wait_for(self._synced.wait(), min(remaining, 1.0))
             except asyncio.TimeoutError:
                 pass
+
+    def _spawn_marker(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_marker())
+        self._markers.add(task)
+        task.add_done_callback(self._markers.discard)
 
     async def _send_marker(self) -> None:
         token = secrets.token_hex(8).encode()
@@ -276,7 +286,7 @@ class OperatorLink:
             self.reconnected.set()
         # Not awaited here: this handler holds up the delivery of the retained documents,
         # which may take longer than the marker's acknowledgement.
-        self._marker_task = asyncio.get_running_loop().create_task(self._send_marker())
+        self._spawn_marker()
 
     async def _message(self, message: Message) -> None:
         if message.topic == self._sync_topic:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +34,6 @@ __all__ = [
     "make_authority",
     "make_client_certificate",
     "make_server_certificate",
-    "subject_common_name",
 ]
 
 CA_VALIDITY_DAYS = 3650
@@ -126,7 +124,9 @@ def load_authority(cert_path: Path, key_path: Path) -> Authority:
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise KeyFileError("the CA key is not an EC private key", path=key_path,
                            found=type(key).__name__)
-    if key.public_key().public_numbers() != certificate.public_key().public_numbers():  # type: ignore[union-attr]
+    certified = certificate.public_key()
+    if not isinstance(certified, ec.EllipticCurvePublicKey) or (
+            key.public_key().public_numbers() != certified.public_numbers()):
         raise KeyFileError("the CA key does not belong to the CA certificate", path=key_path,
                            certificate=cert_path)
     return Authority(certificate, key, cert_path, key_path)
@@ -181,19 +181,3 @@ def make_client_certificate(authority: Authority, cert_path: Path, key_path: Pat
     certificate = _leaf(authority, common_name, key, ExtendedKeyUsageOID.CLIENT_AUTH, [])
     _write_key(key_path, key)
     _write_cert(cert_path, certificate)
-
-
-def subject_common_name(cert_path: Path) -> str:
-    """The common name a certificate file names (for checks and error messages)."""
-    try:
-        certificate = x509.load_pem_x509_certificate(read_bounded(cert_path, MAX_PEM_BYTES))
-    except (OSError, ValueError) as exc:
-        raise KeyFileError(f"cannot read the certificate: {exc}", path=cert_path) from exc
-    values = certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    value = values[0].value if values else ""
-    return value if isinstance(value, str) else value.decode()
-
-
-def private_file_ok(path: Path) -> bool:
-    """Whether only the owner may read ``path`` (for warnings about copied key files)."""
-    return (os.stat(path).st_mode & 0o077) == 0
