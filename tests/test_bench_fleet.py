@@ -55,9 +55,12 @@ def test_bench_fleet_converges_survives_a_broker_kill_and_stops_the_bad_version(
     assert 0 < summary["converge_s"] < 90
     assert 0 < summary["converge_s_with_broker_restart"] < 90
     restart = summary["phases"]["broker_restart"]["broker_restart"]
-    assert restart["down_s"] >= 2.0 and restart["converged_at_kill"] >= 2
-    # What the broker holds after its crash: every device's desired document (republished).
-    assert summary["retained_desired_after_restart"]["naming_version"] == 5
+    assert restart["killed"] and restart["down_s"] >= 2.0
+    assert 2 <= restart["converged_at_kill"] < 5
+    if restart["rollout_running_at_kill"]:
+        # The broker lost what it had not saved; the deploy's driver republished every
+        # device's desired document after it came back.
+        assert summary["retained_desired_after_restart"]["naming_version"] == 5
     # The canary of 3 took the NaN version, its warm-up refused it, nobody served it, the
     # rollout aborted before a second stage and brought the 3 back.
     bad = summary["phases"]["misbehaving"]

@@ -14,24 +14,28 @@ key, the CAs, the broker's certificate), the broker's production configuration w
 listeners, no anonymous clients, the ``%u`` ACL, persistence with its default autosave interval),
 every agent provisioned with ``devices add`` (its own password in the broker's password file),
 the bundles published into the artifact directory (``fleet publish``) and served by the fleet's
-static file server (``fleet serve``) in this process. Rollouts are driven by ``fleet deploy``'s
-engine (agent/fleet/ops/deploy.py: the rollout document, the stages, the abort rule, the
-rollback) on an operator connection (the operator certificate); the phases are timed from a
+static file server (``edge-agent fleet serve``, a process of its own). Rollouts are driven by
+``fleet deploy``'s engine (agent/fleet/ops/deploy.py: the rollout document, the stages, the abort
+rule, the rollback) on an operator connection (the operator certificate); the phases are timed from a
 second operator connection that only watches (agent/tooling/fleetbench/observer.py).
 
 The phases, each a rollout to every agent:
 
 1. ``converge_s``: version 2 in one stage, from the deploy's start until every agent reports
    it converged (its newest desired document answered ``converged``, version 2 applied).
-2. ``converge_s_with_broker_restart``: version 3 the same way; once a quarter of the agents have
-   converged the broker is SIGKILLed (what it did not autosave is lost), and started again after
-   ``broker_down_s``.
+2. ``converge_s_with_broker_restart``: version 3 the same way; the moment the watching
+   connection sees a quarter of the agents converged the broker is SIGKILLed (what it did not
+   autosave is lost: retained documents, sessions) and started again after ``broker_down_s``.
+   Afterwards a fresh subscriber counts the retained desired documents the broker holds.
 3. The misbehaving version 4 (NaN outputs: the warm-up refuses it) in stages of ``canary`` then
    everyone, with ``fleet deploy``'s default abort rule (failure share above 20 % once 3 devices of
    the stage finished). ``bad_bundle_reached``: the agents that took it (the rollout gave it to
    them, or they downloaded and verified it: the agents' own record); ``bad_bundle_reverted_s``:
    from the rollout's abort until every one of them reports the rollout's way back (a desired
-   document naming version 3, ``allow_downgrade``) converged with version 3 applied.
+   document naming version 3, ``allow_downgrade``) converged with version 3 applied. The
+   warm-up refused version 4 before it served, so they never left version 3: the way back is
+   the rollback document's round trip, and ``bad_bundle_served`` (agents that committed it,
+   from their own record) says so.
 
 ``lost`` counts the agents that did not converge on a phase's version within
 ``phase_timeout_s``, in any phase.
@@ -44,11 +48,12 @@ import collections
 import contextlib
 import getpass
 import json
-import logging
 import math
 import os
 import resource
 import secrets
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +72,7 @@ from agent.tooling.fleetbench.broker import (
 )
 from agent.tooling.fleetbench.bundles import MODEL_NAME, FleetBundles
 from agent.tooling.fleetbench.observer import FleetObserver
+from agent.tooling.processes import stop_process
 
 __all__ = ["TARGETS", "FleetBenchOptions", "format_summary", "run_bench"]
 
@@ -126,9 +132,9 @@ class FleetBenchOptions:
                 f"at most {MAX_AGENTS_PER_PROCESS} agents fit in one process (paho's select() "
                 "cannot watch file descriptors from 1024 on); give more --processes",
                 key="--processes", found=self.processes, agents=self.agents)
-        if not 1 <= self.canary <= self.agents:
-            raise ConfigError("the canary stage must be 1 to --agents devices", key="--canary",
-                              found=self.canary)
+        if not 1 <= self.canary < self.agents:
+            raise ConfigError("the canary stage must be 1 to --agents minus 1 devices (a stage "
+                              "of everyone follows it)", key="--canary", found=self.canary)
         if not 0.0 < self.kill_at_share < 1.0:
             raise ConfigError("the kill point is a share of the agents, above 0 and below 1",
                               key="--kill-at-share", found=self.kill_at_share)
@@ -210,6 +216,29 @@ def _make_fleet(work: Path, options: FleetBenchOptions) -> _Fleet:
 
 # -- the agents' processes ------------------------------------------------------------------------
 
+def _child_environment() -> dict[str, str]:
+    """The environment of the benchmark's children: this one, with this source tree on the path
+    when the package is run from it rather than installed."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[3]))
+    return env
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 class _AgentProcess:
     """One process of agents, over its standard streams (agent/tooling/fleetbench/agents.py)."""
 
@@ -221,13 +250,11 @@ class _AgentProcess:
         self.ready: dict[str, Any] = {}
 
     async def start(self) -> None:
-        env = dict(os.environ)
-        env.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[3]))
         with self.log_path.open("ab") as log:
             self.process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "agent.tooling.fleetbench.agents", str(self.spec_path),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
-                env=env, limit=64 * 1024 * 1024)
+                env=_child_environment(), limit=64 * 1024 * 1024)
 
     @property
     def pid(self) -> int:
@@ -291,6 +318,7 @@ class _Run:
         self.devices = fleet.devices
         self.broker = FleetBroker(self.workspace, work / "mosquitto.log")
         self.processes: list[_AgentProcess] = []
+        self.file_server: subprocess.Popen[bytes] | None = None
         self.observer: FleetObserver | None = None
         self.link: Any = None  # the deploy engine's OperatorLink
         self._notify: list[Any] = []
@@ -302,17 +330,27 @@ class _Run:
     # -- starting and stopping
 
     async def start(self) -> None:
-        from agent.fleet.ops.fileserver import serve_directory
-
-        self._file_stop = asyncio.Event()
-        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._file_server = asyncio.ensure_future(serve_directory(
-            self.workspace.artifact_directory(), host="127.0.0.1", port=self.fleet.file_port,
-            stop=self._file_stop, started=started))
-        await asyncio.wait_for(started, 30)
+        await asyncio.to_thread(self._start_file_server)
         await asyncio.to_thread(self.broker.start)
         await self._start_agents()
         await self._connect_operator()
+
+    def _start_file_server(self) -> None:
+        """``edge-agent fleet serve`` on the artifact directory, a process of its own (blocking)."""
+        port = self.fleet.file_port
+        with (self.work / "fileserver.log").open("ab") as log:
+            self.file_server = subprocess.Popen(
+                [sys.executable, "-m", "agent", "fleet", "serve",
+                 str(self.workspace.artifact_directory()), "--host", "127.0.0.1", "--port",
+                 str(port)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=_child_environment())
+        deadline = time.monotonic() + 30
+        while not _accepts(port):
+            if self.file_server.poll() is not None or time.monotonic() > deadline:
+                raise AgentError("the file server did not start", port=port,
+                                 status=self.file_server.poll(),
+                                 log=_tail(self.work / "fileserver.log"))
+            time.sleep(0.05)
 
     async def _start_agents(self) -> None:
         count = self.options.process_count()
@@ -362,10 +400,8 @@ class _Run:
                 with contextlib.suppress(Exception):
                     await closing.stop()
         statuses = list(await asyncio.gather(*(process.stop() for process in self.processes)))
-        if hasattr(self, "_file_stop"):
-            self._file_stop.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._file_server, 10)
+        if self.file_server is not None:
+            await asyncio.to_thread(stop_process, self.file_server, timeout_s=10)
         await asyncio.to_thread(self.broker.stop)
         return statuses
 
@@ -374,14 +410,16 @@ class _Run:
     def _cpu(self) -> dict[str, float]:
         agents = sum(process_cpu_s(process.pid) or 0.0 for process in self.processes)
         usage = resource.getrusage(resource.RUSAGE_SELF)
+        files = process_cpu_s(self.file_server.pid) if self.file_server is not None else None
         return {"agents": agents, "operator": usage.ru_utime + usage.ru_stime,
-                "broker": self.broker.cpu_s(), "wall": time.monotonic()}
+                "broker": self.broker.cpu_s(), "file_server": files or 0.0,
+                "wall": time.monotonic()}
 
     @staticmethod
     def _cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
         wall = after["wall"] - before["wall"]
-        used = {key: round(after[key] - before[key], 2) for key in ("agents", "operator",
-                                                                    "broker")}
+        used = {key: round(after[key] - before[key], 2)
+                for key in ("agents", "operator", "broker", "file_server")}
         used["cores_busy"] = round(sum(used.values()) / wall, 2) if wall > 0 else 0.0
         return used
 
@@ -468,7 +506,8 @@ class _Run:
         cpu = self._cpu()
         started = time.monotonic()
         rollout, task = self._deploy(phase, version, ("100%",))
-        killer = asyncio.ensure_future(self._kill_broker(version, started)) if kill else None
+        killer = (asyncio.ensure_future(self._kill_broker(version, started, rollout)) if kill
+                  else None)
         done = await self.observer.wait_for(self._all_converged(version),
                                             timeout_s=self.options.phase_timeout_s,
                                             progress=self._progress(phase, version, started))
@@ -506,23 +545,49 @@ class _Run:
         return {"first": at(1 / len(self.devices)), "half": at(0.5), "p90": at(0.9),
                 "all": at(1.0)}
 
-    async def _kill_broker(self, version: int, started: float) -> dict[str, Any]:
+    async def _kill_broker(self, version: int, started: float,
+                           rollout: Any) -> dict[str, Any]:
+        """SIGKILL the broker the moment the observer sees ``kill_at_share`` of the agents
+        converged (from its message handler: the others have not been seen yet), and start it
+        again ``broker_down_s`` later."""
         assert self.observer is not None
         observer = self.observer
         threshold = max(1, math.ceil(self.options.kill_at_share * len(self.devices)))
-        await observer.wait_for(
-            lambda: observer.tally(self.devices, version)["converged"] >= threshold,
-            timeout_s=self.options.phase_timeout_s)
-        self._sample_broker()
-        converged = observer.tally(self.devices, version)["converged"]
-        killed_at = time.monotonic()
-        await asyncio.to_thread(self.broker.kill)
-        _say(f"  broker SIGKILLed at {killed_at - started:.1f} s ({converged} agents converged)")
-        await asyncio.sleep(self.options.broker_down_s)
+        killed = asyncio.Event()
+        facts: dict[str, Any] = {}
+
+        def check() -> None:
+            if killed.is_set():
+                return
+            converged = observer.tally(self.devices, version)["converged"]
+            if converged < threshold:
+                return
+            self._sample_broker()
+            self.broker.kill_now()
+            facts.update(killed_at=time.monotonic(), converged_at_kill=converged,
+                         rollout_running_at_kill=not rollout.final)
+            killed.set()
+
+        observer.hooks.append(check)
+        try:
+            check()
+            await asyncio.wait_for(killed.wait(), self.options.phase_timeout_s)
+        except asyncio.TimeoutError:
+            _say(f"  the broker was not killed: {threshold} agents never converged")
+            return {"killed": False}
+        finally:
+            observer.hooks.remove(check)
+        killed_at = facts["killed_at"]
+        _say(f"  broker SIGKILLed at {killed_at - started:.1f} s "
+             f"({facts['converged_at_kill']} agents converged)")
+        await asyncio.to_thread(self.broker.kill)  # reaped
+        await asyncio.sleep(max(0.0, self.options.broker_down_s - (time.monotonic() - killed_at)))
         await asyncio.to_thread(self.broker.start)
         back = time.monotonic()
         _say(f"  broker started again after {back - killed_at:.1f} s")
-        return {"killed_at_s": round(killed_at - started, 3), "converged_at_kill": converged,
+        return {"killed": True, "killed_at_s": round(killed_at - started, 3),
+                "converged_at_kill": facts["converged_at_kill"],
+                "rollout_running_at_kill": facts["rollout_running_at_kill"],
                 "down_s": round(back - killed_at, 3)}
 
     async def retained_desired(self, version: int) -> dict[str, int]:
@@ -696,13 +761,15 @@ def _memory(run: _Run, report: dict[str, Any]) -> dict[str, Any]:
     base = sum(entry.get("base_rss_mib") or 0.0 for entry in run.found["setup"]["processes"])
     run._sample_broker()
     own = process_memory(os.getpid())
+    files = process_memory(run.file_server.pid) if run.file_server is not None else {}
     return {"agent_processes": processes,
             "agents_rss_mib": round(agents_rss, 1), "agents_peak_rss_mib": round(agents_peak, 1),
             "process_base_rss_mib": round(base, 1),
             "per_agent_peak_mib": round((agents_peak - base) / max(1, run.options.agents), 2),
             "broker_peak_rss_mib": round(run.broker_peak_mib, 1),
             "operator_rss_mib": round(own.get("rss_mib", 0.0), 1),
-            "operator_peak_rss_mib": round(own.get("peak_rss_mib", 0.0), 1)}
+            "operator_peak_rss_mib": round(own.get("peak_rss_mib", 0.0), 1),
+            "file_server_peak_rss_mib": round(files.get("peak_rss_mib", 0.0), 1)}
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -735,19 +802,20 @@ def format_summary(summary: dict[str, Any]) -> str:
         row("lost", "", "="),
         row("bad_bundle_reached", "", "<="),
         row("bad_bundle_reverted_s", "s", "<="),
-        f"broker SIGKILLed {restart.get('killed_at_s', '-')} s into phase 2 with "
-        f"{restart.get('converged_at_kill', '-')} agents converged, down "
-        f"{restart.get('down_s', '-')} s; afterwards the broker held "
-        f"{retained.get('naming_version', '-')}/{summary['agents']} retained desired documents "
-        "naming v3",
+        (f"broker SIGKILLed {restart.get('killed_at_s')} s into phase 2 with "
+         f"{restart.get('converged_at_kill')} agents converged, down {restart.get('down_s')} s; "
+         f"afterwards it held {retained.get('naming_version', '-')}/{summary['agents']} "
+         "retained desired documents naming v3" if restart.get("killed")
+         else "the broker was NOT killed in phase 2"),
         f"misbehaving v{bad['version']}: aborted {bad.get('abort_s', '-')} s after the deploy "
         f"began, served by {summary['bad_bundle_served']} agents (the warm-up refused it on "
         f"{len(summary['agents_truth']['refused_bad_at_warmup'])})",
         f"memory: agents {memory['agents_peak_rss_mib']:.0f} MiB peak RSS in "
         f"{summary['processes']} process(es), {memory['process_base_rss_mib']:.0f} MiB of it "
         f"before the first agent ({memory['per_agent_peak_mib']:.2f} MiB per agent), "
-        f"broker {memory['broker_peak_rss_mib']:.0f} MiB, operator and file server "
-        f"{memory['operator_peak_rss_mib']:.0f} MiB",
+        f"broker {memory['broker_peak_rss_mib']:.0f} MiB, operator "
+        f"{memory['operator_peak_rss_mib']:.0f} MiB, file server "
+        f"{memory['file_server_peak_rss_mib']:.0f} MiB",
     ]
     for name in ("converge", "broker_restart"):
         phase = summary["phases"][name]
@@ -760,8 +828,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         cpu = summary["phases"][name].get("cpu_s")
         if cpu:
             lines.append(f"cpu in {name}: agents {cpu['agents']:.1f} s, operator "
-                         f"{cpu['operator']:.1f} s, broker {cpu['broker']:.1f} s "
-                         f"({cpu['cores_busy']:.2f} cores busy)")
+                         f"{cpu['operator']:.1f} s, broker {cpu['broker']:.1f} s, file server "
+                         f"{cpu['file_server']:.1f} s ({cpu['cores_busy']:.2f} cores busy)")
     return "\n".join(lines)
 
 
@@ -799,8 +867,6 @@ def run_bench(options: FleetBenchOptions) -> dict[str, Any]:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="edge-agent-fleet-")))
         _say(f"setting up a fleet of {options.agents} agents in {work}")
-        # One access-log line per download would bury the progress lines.
-        logging.getLogger("agent.fleet.ops.fileserver").setLevel(logging.WARNING)
         fleet = _make_fleet(work, options)
         _say(f"provisioned {options.agents} devices in {fleet.timings['provision_s']:.1f} s")
         summary = asyncio.run(_run_all(options, work, fleet))

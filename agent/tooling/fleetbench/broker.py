@@ -83,6 +83,8 @@ class FleetBroker:
                 tail).
         """
         ports = (self.workspace.device_port, self.workspace.operator_port)
+        if self._process is not None and self._process.poll() is None:
+            self._process.wait()  # killed a moment ago: gone, and its ports free, first
         with self.log_file.open("ab") as log:
             self._process = subprocess.Popen(
                 [str(mosquitto_binary()), "-c", str(self.config_file)],
@@ -98,10 +100,16 @@ class FleetBroker:
 
     def kill(self) -> None:
         """SIGKILL, and wait until it is gone."""
+        self.kill_now()
+        if self._process is not None:
+            self._process.wait()
+
+    def kill_now(self) -> None:
+        """SIGKILL, without waiting (safe on an event loop); :meth:`kill` or :meth:`start`
+        reaps it."""
         if self._process is not None and self._process.poll() is None:
             self._earlier_cpu_s += process_cpu_s(self._process.pid) or 0.0
             self._process.send_signal(signal.SIGKILL)
-            self._process.wait()
 
     def cpu_s(self) -> float:
         """CPU seconds used by every instance so far (a killed one's up to its kill)."""

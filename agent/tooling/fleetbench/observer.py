@@ -61,6 +61,8 @@ class FleetObserver:
         self.messages = 0
         # (device, model version) -> when it was first seen converged on it (monotonic).
         self.converged_at: dict[tuple[str, int], float] = {}
+        # Called after every message taken in, on the loop; must not block.
+        self.hooks: list[Callable[[], None]] = []
         self.changed = asyncio.Event()
         self.link = MqttLink(options, subscriptions=[
             (topics.fleet_filter(fleet, topics.DESIRED), 1),
@@ -105,6 +107,8 @@ class FleetObserver:
             version = wanted.model.version
             if self.standing(device, version).status == "converged":
                 self.converged_at.setdefault((device, version), time.monotonic())
+        for hook in list(self.hooks):
+            hook()
         self.changed.set()
 
     # -- the view -------------------------------------------------------------------------------
