@@ -15,9 +15,9 @@ listeners, no anonymous clients, the ``%u`` ACL, persistence with its default au
 every agent provisioned with ``devices add`` (its own password in the broker's password file),
 the bundles published into the artifact directory (``fleet publish``) and served by the fleet's
 static file server (``edge-agent fleet serve``, a process of its own). Rollouts are driven by
-``fleet deploy``'s engine (agent/fleet/ops/deploy.py: the rollout document, the stages, the abort
-rule, the rollback) on an operator connection (the operator certificate); the phases are timed from a
-second operator connection that only watches (agent/tooling/fleetbench/observer.py).
+``fleet deploy``'s engine (agent/fleet/ops/deploy.py: the rollout document, the stages, the
+abort rule, the rollback) on an operator connection (the operator certificate); the phases are
+timed from a second operator connection that only watches (agent/tooling/fleetbench/observer.py).
 
 The phases, each a rollout to every agent:
 
