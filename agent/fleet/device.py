@@ -45,6 +45,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -123,7 +124,7 @@ class FleetDevice:
         link_factory: Makes the MQTT link (the benchmark's agents share this code path).
     """
 
-    def __init__(self, *, fleet: str, device: str, updater: Updater, state_dir: Any,
+    def __init__(self, *, fleet: str, device: str, updater: Updater, state_dir: Path,
                  keys: Sequence[Ed25519PublicKey], options: BrokerOptions | None,
                  fingerprint: Mapping[str, Any] | None = None,
                  health: Callable[[], dict[str, Any]] | None = None,
