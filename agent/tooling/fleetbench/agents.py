@@ -1,320 +1,241 @@
-"""Lightweight agents: many per process, each the real device side minus the serving path.
+"""A process of benchmark agents: ``python -m agent.tooling.fleetbench.agents SPEC.json``.
 
-One :class:`LightAgent` is what a board runs, less the HTTP API and the batcher:
+Each agent is what a device's daemon runs for fleet control, minus serving: its own state
+directory with a model store (the first version installed and current, as ``serve --bundle``
+leaves it), an :class:`~agent.update.updater.Updater` with its journal there and the benchmark's
+steps (agent/tooling/fleetbench/steps.py), and a :class:`~agent.fleet.device.FleetDevice` with
+its own :class:`~agent.fleet.mqtt.MqttLink` (its own paho thread and TLS connection). Each is
+made from the ``agent.toml`` that ``fleet devices add`` wrote for its device, loaded as the
+daemon loads its configuration (the broker, the device's user name and password, the fleet's and
+the bundles' keys), with the broker options the daemon derives from it
+(agent/fleet/service.py). The agents share the process's event loop
+and two thread pools: the loop's default executor (journal and state writes) and the steps' pool
+(hashing, installs, ONNX Runtime sessions).
 
-- the real MQTT link (agent/fleet/mqtt.py: its own paho thread, TLS, the device's password),
-- the real control plane (agent/fleet/device.py) and updater (agent/update/updater.py, its
-  journal),
-- a real model store (agent/store/) in the agent's own state directory,
-- :class:`LightSteps`: the updater's steps, doing what agent/update/steps.py does wherever that
-  needs no traffic: the bundle is downloaded over HTTP (agent/update/download.py, resumable,
-  checked against the desired sha256), its signature and every hash verified (``open_bundle``),
-  anti-rollback checked (unless the desired document allows a downgrade), installed into the
-  store, loaded in ONNX Runtime (one single-threaded session) and warmed up; the canary runs a
-  fixed probe batch through the old and the new session and refuses non-finite outputs or
-  decisions that disagree (a daemon's canary shadows live traffic instead: these agents serve
-  none); the commit is the store's pointer switch.
-
-What is left out, and why it is fair for a fleet benchmark: no inference traffic (the fleet side
-never sees it), no engine build (ONNX Runtime has none), and the watch window is the updater's
-own wait. Everything the fleet side waits for (the download, the verification, the loading,
-the journal, the reports) is real.
+The process talks to the benchmark over its standard streams, one JSON object a line. It writes
+``{"event": "ready", ...}`` once every agent is connected, and then answers ``{"cmd": "report"}``
+with ``{"event": "report", "agents": [...], ...}`` and ``{"cmd": "stop"}`` with
+``{"event": "stopped"}`` before it exits. Its log goes to the file the spec names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
-from collections.abc import Sequence
-from concurrent.futures import Executor
+import os
+import resource
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-from agent import __version__
-from agent.backends.base import Backend, BackendOptions, ModelArtifacts
-from agent.errors import BundleError, SignatureError, StoreError, UpdateError
-from agent.fleet.device import FleetDevice
-from agent.fleet.mqtt import BrokerOptions
-from agent.fsutil import sha256_file
+from agent.errors import FleetError
 from agent.store import ModelStore
-from agent.update.download import DownloadPolicy, discard_partial, download
-from agent.update.journal import BundleId
+from agent.tooling.fleetbench.steps import BenchSteps, load_version
 from agent.update.states import UpdatePolicy
-from agent.update.updater import Updater, UpdateJob, Verdict
-from models.bundle import open_bundle
+from agent.update.updater import Updater
 
-__all__ = ["LightAgent", "LightSteps"]
+__all__ = ["AgentEntry", "ProcessSpec", "main"]
 
 log = logging.getLogger(__name__)
 
-PROBE_SAMPLES = 8
-MIN_AGREEMENT = 0.9  # as the daemon's canary_min_agreement
+CONNECT_TIMEOUT_S = 120.0
 
 
-def _probe(backend: Backend, artifacts: ModelArtifacts) -> dict[str, np.ndarray]:
-    """A fixed batch (negative values included) through ``backend``."""
-    from agent import runtime
+@dataclass(frozen=True, kw_only=True)
+class AgentEntry:
+    """One device: its id and the ``agent.toml`` that ``devices add`` wrote for it (the broker,
+    its credentials, the fleet's and the bundles' keys, naming the files where they are)."""
 
-    shapes = runtime.warmup_shape(artifacts, backend) or {}
-    rng = np.random.default_rng(0)
-    inputs = {info.name: rng.normal(size=(PROBE_SAMPLES, *shapes[info.name])).astype(info.dtype)
-              for info in backend.inputs}
-    return backend.infer(inputs)
+    device: str
+    config: Path
 
 
-class LightSteps:
-    """:class:`~agent.update.updater.UpdateSteps` without a serving path (module docstring).
+@dataclass(frozen=True, kw_only=True)
+class ProcessSpec:
+    """What the process runs.
 
     Args:
-        store: The agent's model store (open).
-        downloads_dir: Where bundles are downloaded to.
-        executor: Where the blocking work runs (shared by every agent of the process).
+        index: The process's number (for names and logs).
+        first_bundle: The version every agent starts with.
+        state_root: The agents' state directories go under it, one per device.
+        log_file: The process's log.
+        agents: The devices.
+        pool_threads: The steps' shared pool.
+        executor_threads: The loop's default executor.
     """
 
-    def __init__(self, store: ModelStore, downloads_dir: Path, *,
-                 trusted_keys: Sequence[Ed25519PublicKey], executor: Executor | None,
-                 download_policy: DownloadPolicy | None = None) -> None:
-        self.store = store
-        self.trusted_keys = tuple(trusted_keys)
-        self.downloads_dir = downloads_dir
-        self.executor = executor
-        self.download_policy = download_policy or DownloadPolicy()
-        self.serving_backend: Backend | None = None
-        self._candidate: tuple[str, ModelArtifacts, Backend] | None = None
-        self.attempted: list[str] = []  # the sha256 of every bundle an update downloaded
+    index: int
+    first_bundle: Path
+    state_root: Path
+    log_file: Path
+    agents: list[AgentEntry] = field(default_factory=list)
+    pool_threads: int = 4
+    executor_threads: int = 16
 
-    async def _run(self, function: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
+    def write(self, path: Path) -> Path:
+        path.write_text(json.dumps(asdict(self), default=str, indent=1))
+        return path
 
-    async def load_serving(self) -> None:
-        """Load the current version, as a daemon does at start."""
-        current = await self._run(self.store.current)
-        if current is not None:
-            artifacts = await self._run(self.store.load, current.name, current.version)
-            self.serving_backend = await self._run(self._activate, artifacts)
-
-    @staticmethod
-    def _activate(artifacts: ModelArtifacts) -> Backend:
-        from agent.backends.onnxruntime import OnnxRuntimeBackend
-
-        backend = OnnxRuntimeBackend(artifacts, BackendOptions(max_batch_size=PROBE_SAMPLES,
-                                                               threads=1, buffer_sets=1))
-        backend.activate()
-        return backend
-
-    def _path(self, job: UpdateJob) -> Path:
-        return self.downloads_dir / f"{job.update_id}.bundle"
-
-    async def serving(self) -> BundleId | None:
-        backend = self.serving_backend
-        if backend is None:
-            return None
-        return BundleId(name=backend.artifacts.name, version=backend.artifacts.version)
-
-    async def download(self, job: UpdateJob) -> None:
-        self.downloads_dir.mkdir(parents=True, exist_ok=True)
-        result = await download(job.source, self._path(job), policy=self.download_policy,
-                                expected_sha256=job.expected.sha256)
-        self.attempted.append(result.sha256)
-        job.notes["sha256"] = result.sha256
-
-    async def verify(self, job: UpdateJob) -> BundleId:
-        path = self._path(job)
-        keys = self.trusted_keys
-        try:
-            bundle = await self._run(lambda: open_bundle(path, keys, agent_version=__version__))
-        except SignatureError as exc:
-            raise UpdateError(f"the bundle's signature is not trusted: {exc.message}",
-                              reason="bad_signature") from exc
-        except BundleError as exc:
-            raise UpdateError(f"the bundle is refused: {exc.message}", reason="bad_bundle") from exc
-        name, version = bundle.manifest["name"], bundle.manifest["version"]
-        serving = await self.serving()
-        if serving is not None and name != serving.name:
-            raise UpdateError("the bundle is of another model", reason="wrong_model")
-        if (serving is not None and serving.version is not None and version < serving.version
-                and not job.allow_downgrade):
-            raise UpdateError("the bundle is older than the version serving", reason="downgrade")
-        sha256 = job.notes.get("sha256") or (await self._run(sha256_file, path))[0]
-        return BundleId(name=name, version=version, sha256=sha256)
-
-    async def stage(self, job: UpdateJob) -> None:
-        path = self._path(job)
-        try:
-            artifacts = await self._run(self.store.install, path)
-        except (StoreError, BundleError) as exc:
-            raise UpdateError(f"the bundle could not be installed: {exc.message}",
-                              reason="install_failed") from exc
-        job.notes["artifacts"] = artifacts
-        await self._run(lambda: path.unlink(missing_ok=True))
-
-    async def build_engine(self, job: UpdateJob) -> None:
-        artifacts = job.notes.get("artifacts")
-        if artifacts is None:
-            bundle = job.bundle
-            if bundle is None or bundle.name is None or bundle.version is None:
-                raise UpdateError("the update has no verified bundle", reason="not_verified")
-            artifacts = await self._run(self.store.load, bundle.name, bundle.version)
-        await self.close()
-        backend = await self._run(self._activate, artifacts)
-        self._candidate = (job.update_id, artifacts, backend)
-
-    def _require_candidate(self, job: UpdateJob) -> tuple[ModelArtifacts, Backend]:
-        candidate = self._candidate
-        if candidate is None or candidate[0] != job.update_id:
-            raise UpdateError("the candidate is not loaded", reason="not_loaded")
-        return candidate[1], candidate[2]
-
-    async def warm(self, job: UpdateJob) -> None:
-        artifacts, backend = self._require_candidate(job)
-        outputs = await self._run(_probe_zeros, backend, artifacts)
-        if any(value.dtype.kind == "f" and not np.isfinite(value).all()
-               for value in outputs.values()):
-            raise UpdateError("NaN or Inf on the warm-up batch", reason="non_finite")
-
-    async def canary(self, job: UpdateJob) -> Verdict:
-        artifacts, backend = self._require_candidate(job)
-        new = await self._run(_probe, backend, artifacts)
-        if any(value.dtype.kind == "f" and not np.isfinite(value).all()
-               for value in new.values()):
-            return Verdict(healthy=False, reason="nan_output",
-                           detail="NaN or Inf on the probe batch")
-        old_backend = self.serving_backend
-        if old_backend is None:
-            return Verdict(healthy=True, detail="nothing served before")
-        old = await self._run(_probe, old_backend, old_backend.artifacts)
-        agreement = min(float(np.mean(np.argmax(new[name], axis=-1)
-                                      == np.argmax(old[name], axis=-1)))
-                        for name in new if name in old)
-        if agreement < MIN_AGREEMENT:
-            return Verdict(healthy=False, reason="disagreement",
-                           detail=f"{agreement:.0%} of the probe samples agree")
-        return Verdict(healthy=True, detail=f"{agreement:.0%} agreement on the probe batch")
-
-    async def commit(self, job: UpdateJob) -> None:
-        artifacts, backend = self._require_candidate(job)
-        await self._run(self.store.activate, artifacts.name, artifacts.version)
-        old, self.serving_backend = self.serving_backend, backend
-        self._candidate = None
-        if old is not None:
-            await self._run(old.deactivate)
-        await self._run(self._collect_garbage)
-
-    def _collect_garbage(self) -> None:
-        try:
-            self.store.garbage_collect()
-        except StoreError as exc:
-            log.warning("could not delete old model versions: %s", exc)
-
-    async def watch(self, job: UpdateJob) -> Verdict:
-        await asyncio.Event().wait()  # the watch window passing is the updater's deadline
-        raise AssertionError("unreachable")
-
-    async def discard(self, job: UpdateJob) -> None:
-        await self.close()
-        path = self._path(job)
-
-        def remove() -> None:
-            discard_partial(path)
-            path.unlink(missing_ok=True)
-            self._collect_garbage()
-
-        await self._run(remove)
-
-    async def revert(self, job: UpdateJob) -> None:
-        await self.discard(job)
-        bundle = job.bundle
-        serving = await self.serving()
-        if bundle is None or serving is None or serving.version != bundle.version:
-            current = await self._run(self.store.current)
-            if bundle is not None and current is not None and current.version == bundle.version:
-                await self._run(self.store.rollback)
-            return
-        previous = await self._run(self.store.previous)
-        if previous is None:
-            raise UpdateError("there is no previous version to return to",
-                              reason="nothing_to_roll_back")
-        artifacts = await self._run(self.store.load, previous.name, previous.version)
-        backend = await self._run(self._activate, artifacts)
-        old, self.serving_backend = self.serving_backend, backend
-        await self._run(self.store.rollback)
-        if old is not None:
-            await self._run(old.deactivate)
-
-    async def close(self) -> None:
-        """Free the candidate's session."""
-        candidate, self._candidate = self._candidate, None
-        if candidate is not None:
-            await self._run(candidate[2].deactivate)
-
-    async def shutdown(self) -> None:
-        await self.close()
-        backend, self.serving_backend = self.serving_backend, None
-        if backend is not None:
-            await self._run(backend.deactivate)
+    @classmethod
+    def read(cls, path: Path) -> ProcessSpec:
+        data = json.loads(path.read_text())
+        data["agents"] = [AgentEntry(device=entry["device"], config=Path(entry["config"]))
+                          for entry in data["agents"]]
+        for name in ("first_bundle", "state_root", "log_file"):
+            data[name] = Path(data[name])
+        return cls(**data)
 
 
-def _probe_zeros(backend: Backend, artifacts: ModelArtifacts) -> dict[str, np.ndarray]:
-    from agent import runtime
+class BenchAgent:
+    """One agent (the module's docstring), made from its device's ``agent.toml`` (blocking:
+    the configuration and its key and password files are read here); :meth:`prepare`
+    (blocking) and :meth:`start` do the rest."""
 
-    shapes = runtime.warmup_shape(artifacts, backend) or {}
-    return backend.infer({info.name: np.zeros((1, *shapes[info.name]), dtype=info.dtype)
-                          for info in backend.inputs})
+    def __init__(self, spec: ProcessSpec, entry: AgentEntry, *, pool: ThreadPoolExecutor) -> None:
+        from agent.config import load_config
+        from agent.fleet.device import FleetDevice
+        from agent.fleet.service import broker_options, fingerprint
 
+        self.spec = spec
+        self.state_dir = spec.state_root / entry.device
+        config = load_config(entry.config, env={}, overrides={"state_dir": self.state_dir})
+        if config.device_id != entry.device or not config.fleet.enabled:
+            raise FleetError("the device's agent.toml is not this device's fleet "
+                             "configuration", reason="bad_config", device=entry.device,
+                             path=entry.config)
+        self.device = config.device_id
+        self.store = ModelStore(self.state_dir, trusted_keys=config.trust.keys,
+                                keep_versions=config.store.keep_versions)
+        self.steps = BenchSteps(store=self.store, state_dir=self.state_dir,
+                                keys=list(config.trust.keys), pool=pool,
+                                device_class=config.device_class)
+        self.updater = Updater(state_dir=self.state_dir, steps=self.steps,
+                               policy=UpdatePolicy())
+        self.plane = FleetDevice(
+            fleet=config.fleet.fleet, device=config.device_id, updater=self.updater,
+            state_dir=self.state_dir, keys=config.fleet.keys, options=broker_options(config),
+            fingerprint={**fingerprint(config), "bench": "fleet", "process": spec.index},
+            health=lambda: {"daemon": "bench-agent"})
 
-class LightAgent:
-    """One lightweight agent in ``root`` (its state directory).
-
-    Args:
-        root: The agent's state directory (store, journal, fleet files).
-        fleet: The fleet id.
-        device: The device id (MQTT client id and user name).
-        options: Its broker options (TLS, its password).
-        fleet_keys: The fleet's public keys.
-        bundle_keys: The keys bundles are signed with.
-        policy: The updater's deadlines and watch window.
-        executor: Where the blocking work runs.
-    """
-
-    def __init__(self, root: Path, *, fleet: str, device: str, options: BrokerOptions,
-                 fleet_keys: Sequence[Ed25519PublicKey], bundle_keys: Sequence[Ed25519PublicKey],
-                 policy: UpdatePolicy, executor: Executor | None = None) -> None:
-        self.root = root
-        self.device = device
-        self.store = ModelStore(root, trusted_keys=tuple(bundle_keys))
-        self.steps = LightSteps(self.store, root / "downloads", trusted_keys=bundle_keys,
-                                executor=executor)
-        self.updater = Updater(state_dir=root, steps=self.steps, policy=policy)
-        self.plane = FleetDevice(fleet=fleet, device=device, updater=self.updater,
-                                 state_dir=root, keys=fleet_keys, options=options,
-                                 fingerprint={"device_class": "bench-light",
-                                              "agent": "agent/tooling/fleetbench"},
-                                 health=lambda: {"light": True})
-        self._executor = executor
-
-    def install(self, bundle: Path) -> None:
-        """Install and activate the first version (blocking: before the start)."""
+    def prepare(self) -> None:
+        """Install the first version and make it current, and load it (blocking)."""
         self.store.open()
-        artifacts = self.store.install(bundle)
-        self.store.activate(artifacts.name, artifacts.version)
+        installed = self.store.install(self.spec.first_bundle)
+        self.store.activate(installed.name, installed.version)
+        artifacts = self.store.load(installed.name, installed.version)
+        self.steps.start_serving(artifacts, load_version(artifacts))
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self.store.open)
-        await self.steps.load_serving()
         await self.updater.recover()
         await self.plane.start()
 
-    async def stop(self) -> None:
-        await self.plane.close()
-        await self.updater.close()
-        await self.steps.shutdown()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.store.close)
-
     @property
-    def serving_version(self) -> int | None:
-        backend = self.steps.serving_backend
-        return None if backend is None else backend.artifacts.version
+    def connected(self) -> bool:
+        link = self.plane.link
+        return bool(link is not None and link.connected)
+
+    async def stop(self) -> None:
+        try:
+            await self.plane.close()
+            await self.updater.close()
+            await self.steps.shutdown()
+        finally:
+            self.store.close()
+
+    def summary(self) -> dict[str, Any]:
+        link = self.plane.link
+        status = self.updater.status()
+        return {"device": self.device, "connected": self.connected,
+                "connects": link.connect_count if link is not None else 0,
+                "updater": status["state"], "counters": status["counters"],
+                "record": self.steps.record.to_json(), "plane": self.plane.status()}
+
+
+def _emit(event: str, **facts: Any) -> None:
+    # One short line to a pipe the benchmark reads at once.
+    sys.stdout.write(json.dumps({"event": event, **facts}, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _process_figures() -> dict[str, Any]:
+    from agent.tooling.fleetbench.broker import process_memory
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {**process_memory(os.getpid()), "cpu_s": usage.ru_utime + usage.ru_stime,
+            "fds": len(os.listdir("/proc/self/fd"))}
+
+
+async def _commands() -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+async def run(spec: ProcessSpec) -> int:
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(spec.executor_threads,
+                                                 thread_name_prefix="fleetbench-io"))
+    pool = ThreadPoolExecutor(spec.pool_threads, thread_name_prefix="fleetbench-files")
+    # What every process holds before its first agent: the modules, ONNX Runtime's included.
+    import onnxruntime  # noqa: F401
+
+    import agent.fleet.device  # noqa: F401
+    base = _process_figures()
+    started = time.monotonic()
+    agents = list(await asyncio.gather(*(loop.run_in_executor(
+        pool, functools.partial(BenchAgent, spec, entry, pool=pool)) for entry in spec.agents)))
+    await asyncio.gather(*(loop.run_in_executor(pool, agent.prepare) for agent in agents))
+    prepared = time.monotonic()
+    await asyncio.gather(*(agent.start() for agent in agents))
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while not all(agent.connected for agent in agents):
+        if time.monotonic() > deadline:
+            missing = [agent.device for agent in agents if not agent.connected]
+            raise FleetError("agents did not connect to the broker in time", reason="timeout",
+                             missing=len(missing), first=",".join(missing[:5]))
+        await asyncio.sleep(0.1)
+    _emit("ready", process=spec.index, agents=len(agents),
+          prepare_s=round(prepared - started, 3),
+          connect_s=round(time.monotonic() - prepared, 3), base_rss_mib=base.get("rss_mib"),
+          **_process_figures())
+    reader = await _commands()
+    try:
+        while True:
+            line = await reader.readline()
+            if not line:
+                break  # the benchmark went away
+            command = json.loads(line).get("cmd")
+            if command == "report":
+                _emit("report", process=spec.index,
+                      agents=[agent.summary() for agent in agents], **_process_figures())
+            elif command == "stop":
+                break
+    finally:
+        await asyncio.gather(*(agent.stop() for agent in agents), return_exceptions=True)
+        pool.shutdown(wait=False)
+    _emit("stopped", process=spec.index)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m agent.tooling.fleetbench.agents SPEC.json", file=sys.stderr)
+        return 2
+    spec = ProcessSpec.read(Path(argv[0]))
+    handler = logging.FileHandler(spec.log_file)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    # A few hundred TLS sockets, store locks and downloads at once.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    return asyncio.run(run(spec))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
