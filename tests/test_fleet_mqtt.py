@@ -733,3 +733,36 @@ def test_nats_cluster_delivers_a_retained_message_published_on_one_node_to_anoth
 
     with NatsCluster(tmp_path / "nats") as cluster:
         run(scenario(cluster))
+
+
+def test_a_connection_on_a_descriptor_select_cannot_watch_is_reported_as_such(
+        broker: Mosquitto) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"the hard limit on open files ({hard}) leaves no descriptor above 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    held = []
+    try:
+        while True:  # fill every descriptor below 1024, so the link's socket gets a higher one
+            fd = os.open(os.devnull, os.O_RDONLY)
+            held.append(fd)
+            if fd >= 1023:
+                break
+
+        async def scenario() -> FleetError:
+            async with links() as make:
+                link, _ = await make(broker.options("dev-1", reconnect_min_s=0.05,
+                                                    reconnect_max_s=0.1), wait=False)
+                with pytest.raises(FleetError) as caught:
+                    await link.wait_connected(2.0)
+                return caught.value
+
+        error = run(scenario())
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    last = error.fields.get("last_error")
+    assert last is not None and "1024" in str(last) and "too many files" in str(last), error

@@ -49,6 +49,7 @@ CONNECT_TIMEOUT_S = 10.0  # TCP connect plus TLS handshake; a broker busy after 
 STABLE_CONNECTION_S = 10.0  # a connection shorter than this does not reset the backoff
 NETWORK_POLL_S = 1.0  # the network thread's select timeout (publishes wake it at once)
 STOP_FLUSH_S = 2.0  # how long stop() lets the DISCONNECT packet go out
+SELECT_MAX_FD = 1024  # FD_SETSIZE: select(), which paho's loop() uses, watches only lower ones
 MAX_QUEUED_MESSAGES = 1000  # publishes held while offline; beyond this publish() fails at once
 
 # CONNACK reason codes (MQTT 5 numbering; paho maps 3.1.1 return codes onto them). These say
@@ -502,6 +503,18 @@ class MqttLink:
             client.reconnect()
         except (OSError, ValueError) as exc:
             self._post(self._set_problem, self._connect_problem(exc))
+            return False
+        sock = client.socket()
+        if sock is not None and sock.fileno() >= SELECT_MAX_FD:
+            # paho's loop() waits with select(), which cannot watch a descriptor from 1024 on:
+            # paho would take the failure for a lost connection and we would retry blindly.
+            number = sock.fileno()
+            sock.close()
+            self._post(self._set_problem, _Problem(
+                f"the connection's file descriptor is {number}, and the MQTT client's select() "
+                f"loop cannot watch descriptors from {SELECT_MAX_FD} on: this process has too "
+                "many files open", reason="too_many_files", refusal=False,
+                fields={"broker": self.options.address, "client_id": self.options.client_id}))
             return False
         stop_deadline: float | None = None
         while True:
