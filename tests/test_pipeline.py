@@ -51,11 +51,16 @@ def digits_onnx(tmp_path_factory):
 
 def test_build_example_makes_a_verified_bundle_and_report(tmp_path, keys, capsys):
     out = tmp_path / "out"
+    # The budget is 1.5 points, not the default 1: pruning alone costs this small CNN about 0.6
+    # of them, and ONNX Runtime's INT8 kernels round differently by CPU (AVX2, AVX-512 VNNI), so
+    # with 1 point left a machine may find no layer it can keep in INT8 (one held-out digit is
+    # 0.28 points). Whether the search then keeps some layers out depends on that CPU too.
     status = main(["build", "--model", MODEL, "--key", str(keys), "--out", str(out), *FAST,
-                   "--prune", "0.5", "--round-to", "8", "--finetune-epochs", "2"])
+                   "--prune", "0.5", "--round-to", "8", "--finetune-epochs", "2",
+                   "--accuracy-budget", "1.5"])
     assert status == 0
     summary = capsys.readouterr().out
-    assert "smallcnn-digits-1.bundle" in summary and "INT8, mixed" in summary
+    assert "smallcnn-digits-1.bundle" in summary and "INT8" in summary
     assert _outputs(out) == {"smallcnn-digits-1.bundle", "report.json"}
 
     bundle = open_bundle(out / "smallcnn-digits-1.bundle", [load_public_key(Path(f"{keys}.pub"))])
