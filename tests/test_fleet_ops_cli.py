@@ -110,3 +110,19 @@ def test_serve_runs_until_sigterm(tmp_path: Path) -> None:
              "127.0.0.1", "--port", str(taken)], capture_output=True, text=True, timeout=60,
             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
         assert done.returncode == 1 and f"port={taken}" in done.stderr, done.stderr
+
+
+def test_deploy_of_an_unpublished_version_fails_before_any_broker_is_needed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_keypair(tmp_path / "release.key")
+    fleet_dir = str(tmp_path / "fleet")
+    # The broker named here does not exist: the refusal must come without trying to reach it.
+    assert main(["fleet", "init", "--fleet-dir", fleet_dir, "--fleet", "plant-a",
+                 "--broker-host", "127.0.0.1", "--operator-port", str(free_port()),
+                 "--bundle-key", str(tmp_path / "release.key.pub"),
+                 "--base-url", "https://files.example/edge"]) == 0
+    capsys.readouterr()
+    assert main(["fleet", "deploy", "tiny", "7", "--all", "--connect-timeout-s", "60",
+                 "--fleet-dir", fleet_dir]) == 1
+    err = capsys.readouterr().err
+    assert "not in the artifact index" in err and "MQTT" not in err

@@ -343,6 +343,13 @@ def run_deploy(args: argparse.Namespace) -> int:
                           "devices with it")
     if not args.resume and (args.model is None or args.version is None):
         raise ConfigError("deploy needs MODEL VERSION (or --resume ROLLOUT_ID)")
+    planned: ModelSpec | None = None
+    if not args.resume:
+        from agent.fleet.ops.workspace import load_workspace
+
+        # Before connecting: a model that is not published is the operator's mistake to hear
+        # at once, not after a wait for the broker.
+        planned = _model(args, load_workspace(args.fleet_dir))
 
     async def body(workspace: Any, link: Any, listeners: list[Any]) -> int:
         now = utc_now()
@@ -358,7 +365,8 @@ def run_deploy(args: argparse.Namespace) -> int:
                                  reason="driven", rollout=rollout.rollout_id,
                                  driver=rollout.driver.id)
         else:
-            model: ModelSpec = _model(args, workspace)
+            assert planned is not None
+            model: ModelSpec = planned
             devices = _targets(args, workspace, link.view)
             busy = busy_devices(link, devices)
             if busy:
