@@ -35,12 +35,13 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from agent import __version__, runtime
 from agent.backends import ModelArtifacts, backend_class, resolve_backend_name
@@ -155,37 +156,12 @@ class DaemonSteps:
         if not path.is_file():
             raise UpdateError("the downloaded bundle is gone", reason="not_downloaded",
                               path=path)
-        loop = asyncio.get_running_loop()
-        sha256 = job.notes.get("sha256") or await loop.run_in_executor(self._files.executor, _file_sha256, path)
-        keys = self.daemon.config.trust.keys
-        try:
-            bundle = await loop.run_in_executor(
-                self._files.executor, lambda: open_bundle(path, keys, agent_version=__version__))
-        except SignatureError as exc:
-            raise UpdateError(f"the bundle's signature is not trusted: {exc.message}",
-                              reason="bad_signature", **_facts(exc)) from exc
-        except BundleError as exc:
-            raise UpdateError(f"the bundle is refused: {exc.message}", reason="bad_bundle",
-                              **_facts(exc)) from exc
-        manifest = bundle.manifest
-        name, version = manifest["name"], manifest["version"]
         service = self.service
-        if name != service.name:
-            raise UpdateError("the bundle is of another model than the one this daemon serves",
-                              reason="wrong_model", bundle=name, serving=service.name)
-        if version < service.version and not job.allow_downgrade:
-            raise UpdateError("the bundle is older than the version serving (anti-rollback; "
-                              "'edge-agent update rollback' returns to the previous version, "
-                              "a signed fleet document can allow a downgrade)",
-                              reason="downgrade", bundle_version=version,
-                              serving_version=service.version)
-        try:
-            check_target(manifest, self.daemon.config.device_class)
-        except BundleError as exc:
-            raise UpdateError(f"the bundle is refused: {exc.message}", reason="wrong_target",
-                              **_facts(exc)) from exc
-        _check_interface(manifest, service)
-        return BundleId(name=name, version=version, sha256=sha256)
+        keys, device_class = self.daemon.config.trust.keys, self.daemon.config.device_class
+        return await asyncio.get_running_loop().run_in_executor(
+            self._files.executor, lambda: check_bundle(
+                path, keys, serving=service, device_class=device_class,
+                allow_downgrade=job.allow_downgrade, sha256=job.notes.get("sha256")))
 
     # -- staging and loading -----------------------------------------------------------------
 
@@ -469,7 +445,51 @@ def _require_bundle_ref(job: UpdateJob) -> tuple[str, int]:
     return bundle.name, bundle.version
 
 
-def _check_interface(manifest: dict[str, Any], service: ModelService) -> None:
+def check_bundle(path: Path, keys: Sequence[Ed25519PublicKey], *, serving: Any,
+                 device_class: str, allow_downgrade: bool = False,
+                 sha256: str | None = None) -> BundleId:
+    """The verifying state's checks of a downloaded bundle, blocking (for an executor thread):
+    its signature, every hash and the agent version it needs (``open_bundle``); that it is the
+    model ``serving`` serves (``name``, ``version``, ``inputs``, ``outputs``: a ModelService),
+    with the same inputs and outputs, made for ``device_class``, and not older than the version
+    serving unless ``allow_downgrade``. Returns what it is; ``sha256`` is the file's, when the
+    download computed it already.
+
+    Raises:
+        UpdateError: with the reason: ``bad_signature``, ``bad_bundle``, ``wrong_model``,
+            ``downgrade``, ``wrong_target``, ``incompatible``.
+    """
+    if sha256 is None:
+        sha256 = _file_sha256(path)
+    try:
+        bundle = open_bundle(path, keys, agent_version=__version__)
+    except SignatureError as exc:
+        raise UpdateError(f"the bundle's signature is not trusted: {exc.message}",
+                          reason="bad_signature", **_facts(exc)) from exc
+    except BundleError as exc:
+        raise UpdateError(f"the bundle is refused: {exc.message}", reason="bad_bundle",
+                          **_facts(exc)) from exc
+    manifest = bundle.manifest
+    name, version = manifest["name"], manifest["version"]
+    if name != serving.name:
+        raise UpdateError("the bundle is of another model than the one this daemon serves",
+                          reason="wrong_model", bundle=name, serving=serving.name)
+    if version < serving.version and not allow_downgrade:
+        raise UpdateError("the bundle is older than the version serving (anti-rollback; "
+                          "'edge-agent update rollback' returns to the previous version, "
+                          "a signed fleet document can allow a downgrade)",
+                          reason="downgrade", bundle_version=version,
+                          serving_version=serving.version)
+    try:
+        check_target(manifest, device_class)
+    except BundleError as exc:
+        raise UpdateError(f"the bundle is refused: {exc.message}", reason="wrong_target",
+                          **_facts(exc)) from exc
+    _check_interface(manifest, serving)
+    return BundleId(name=name, version=version, sha256=sha256)
+
+
+def _check_interface(manifest: dict[str, Any], service: Any) -> None:
     """The new version must take and give what clients of the old one send and read: the same
     input and output names and data types (shapes may differ in their dynamic axes)."""
     def described(entries: Any) -> dict[str, str]:

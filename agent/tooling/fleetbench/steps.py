@@ -43,24 +43,23 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import types
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from agent import __version__, runtime
+from agent import runtime
 from agent.backends.base import Backend, BackendOptions, ModelArtifacts
-from agent.errors import BundleError, SignatureError, StoreError, UpdateError
+from agent.errors import BundleError, StoreError, UpdateError
 from agent.store import ModelStore
 from agent.update.download import DownloadPolicy, discard_partial, download
 from agent.update.journal import BundleId
-from agent.update.steps import DOWNLOADS_DIR, _check_interface, _facts, _file_sha256
+from agent.update.steps import DOWNLOADS_DIR, _facts, check_bundle
 from agent.update.updater import UpdateJob, Verdict
-from models.bundle import open_bundle
-from models.manifest import check_target
 
 __all__ = ["AgentRecord", "BenchSteps", "load_version", "warm_up"]
 
@@ -212,35 +211,18 @@ class BenchSteps:
         if not path.is_file():
             raise UpdateError("the downloaded bundle is gone", reason="not_downloaded",
                               path=path)
-        sha256 = job.notes.get("sha256") or await self._in_pool(_file_sha256, path)
-        try:
-            bundle = await self._in_pool(
-                lambda: open_bundle(path, self.keys, agent_version=__version__))
-        except SignatureError as exc:
-            raise UpdateError(f"the bundle's signature is not trusted: {exc.message}",
-                              reason="bad_signature", **_facts(exc)) from exc
-        except BundleError as exc:
-            raise UpdateError(f"the bundle is refused: {exc.message}", reason="bad_bundle",
-                              **_facts(exc)) from exc
-        manifest = bundle.manifest
-        name, version = manifest["name"], manifest["version"]
         serving = self._require_serving()
-        if name != serving.artifacts.name:
-            raise UpdateError("the bundle is of another model than the one this agent serves",
-                              reason="wrong_model", bundle=name, serving=serving.artifacts.name)
-        if version < serving.version and not job.allow_downgrade:
-            raise UpdateError("the bundle is older than the version serving (anti-rollback)",
-                              reason="downgrade", bundle_version=version,
-                              serving_version=serving.version)
-        try:
-            check_target(manifest, self.device_class)
-        except BundleError as exc:
-            raise UpdateError(f"the bundle is refused: {exc.message}", reason="wrong_target",
-                              **_facts(exc)) from exc
-        # The serving session has the inputs and outputs a ModelService would describe.
-        _check_interface(manifest, cast(Any, serving.backend))
-        self.record.verified.append(version)
-        return BundleId(name=name, version=version, sha256=sha256)
+        # What check_bundle reads of a ModelService: the name and version serving, and the
+        # serving session's inputs and outputs.
+        described = types.SimpleNamespace(
+            name=serving.artifacts.name, version=serving.version,
+            inputs=serving.backend.inputs, outputs=serving.backend.outputs)
+        verified: BundleId = await self._in_pool(lambda: check_bundle(
+            path, self.keys, serving=described, device_class=self.device_class,
+            allow_downgrade=job.allow_downgrade, sha256=job.notes.get("sha256")))
+        if verified.version is not None:  # check_bundle always says it
+            self.record.verified.append(verified.version)
+        return verified
 
     # -- staging and loading ----------------------------------------------------------------------
 
