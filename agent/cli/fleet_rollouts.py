@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from agent.errors import ConfigError, FleetError, Terminated, printable
+from agent.cli.update import seconds_argument
 
 EXIT_ABORTED = 3
 EXIT_WAITING = 4
@@ -27,7 +28,7 @@ EXIT_WAITING = 4
 
 def register(actions: Any, common: argparse.ArgumentParser) -> None:
     link = argparse.ArgumentParser(add_help=False)
-    link.add_argument("--connect-timeout-s", type=_seconds, default=30.0, metavar="S",
+    link.add_argument("--connect-timeout-s", type=seconds_argument, default=30.0, metavar="S",
                       help="how long to wait for the broker")
 
     status = actions.add_parser("status", parents=[common, link],
@@ -61,10 +62,10 @@ def register(actions: Any, common: argparse.ArgumentParser) -> None:
     deploy.add_argument("--abort-min-finished", type=int, default=3, metavar="N",
                         help="...once at least this many of the stage finished (or all of a "
                              "smaller stage)")
-    deploy.add_argument("--stage-timeout-s", type=_seconds, default=1800.0, metavar="S",
+    deploy.add_argument("--stage-timeout-s", type=seconds_argument, default=1800.0, metavar="S",
                         help="a device that has not finished by then counts as timed out "
                              "(a failure)")
-    deploy.add_argument("--rollback-timeout-s", type=_seconds, default=1800.0, metavar="S",
+    deploy.add_argument("--rollback-timeout-s", type=seconds_argument, default=1800.0, metavar="S",
                         help="how long an abort waits for devices to be back")
     deploy.add_argument("--url", help="the bundle's URL, for a bundle not in the artifact index")
     deploy.add_argument("--sha256", help="the bundle's sha256, with --url")
@@ -85,10 +86,10 @@ def register(actions: Any, common: argparse.ArgumentParser) -> None:
     watch.add_argument("rollout_id", nargs="?", metavar="ROLLOUT_ID",
                        help="default: the newest rollout that has not ended")
     watch.add_argument("--observe-only", action="store_true")
-    watch.add_argument("--stale-after-s", type=_seconds, default=60.0, metavar="S",
+    watch.add_argument("--stale-after-s", type=seconds_argument, default=60.0, metavar="S",
                        help="take the rollout over once its driver's last heartbeat is this "
                             "old (drivers beat every 15 s)")
-    watch.add_argument("--timeout-s", type=_seconds, metavar="S",
+    watch.add_argument("--timeout-s", type=seconds_argument, metavar="S",
                        help="stop watching after this long (exit 4)")
     watch.set_defaults(handler=run_watch)
 
@@ -101,18 +102,8 @@ def register(actions: Any, common: argparse.ArgumentParser) -> None:
     rollback.add_argument("--devices", action="append", default=[], metavar="ID,...")
     rollback.add_argument("--to", nargs=2, metavar=("MODEL", "VERSION"))
     rollback.add_argument("--no-wait", action="store_true")
-    rollback.add_argument("--timeout-s", type=_seconds, default=1800.0, metavar="S")
+    rollback.add_argument("--timeout-s", type=seconds_argument, default=1800.0, metavar="S")
     rollback.set_defaults(handler=run_rollback)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"a positive number of seconds, not {text!r}")
-    return value
 
 
 def _ids(values: Sequence[str]) -> list[str]:

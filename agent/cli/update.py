@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     apply.add_argument("source", help="a bundle file, or an http, https or file URL")
     apply.add_argument("--no-wait", action="store_true",
                        help="return once the daemon has accepted the update")
-    apply.add_argument("--timeout-s", type=_seconds, default=3600.0, metavar="S",
+    apply.add_argument("--timeout-s", type=seconds_argument, default=3600.0, metavar="S",
                        help="stop waiting after this long (the update goes on in the daemon)")
     apply.set_defaults(handler=run_apply)
 
@@ -72,12 +72,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     rollback = actions.add_parser("rollback", parents=[common],
                                   help="return to the previous version")
-    rollback.add_argument("--timeout-s", type=_seconds, default=600.0, metavar="S",
+    rollback.add_argument("--timeout-s", type=seconds_argument, default=600.0, metavar="S",
                           help="stop waiting after this long (the rollback goes on)")
     rollback.set_defaults(handler=run_rollback)
 
 
-def _seconds(text: str) -> float:
+def seconds_argument(text: str) -> float:
+    """argparse type: a positive, finite number of seconds."""
     try:
         value = float(text)
     except ValueError:
