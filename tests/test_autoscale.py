@@ -58,7 +58,9 @@ def test_an_instance_is_added_under_load_and_removed_when_requests_are_rare(
             await _until(lambda: len(service.backends) == 2, daemon)
             busy = len(service.backends)
             await asyncio.sleep(0.5)  # served by both
-        await _until(lambda: len(service.backends) == 1, daemon)
+        # The decision is recorded once the removal returned, a moment after the instance left.
+        await _until(lambda: len(service.backends) == 1 and any(
+            decision.action == "removed" for decision in daemon.autoscaler.decisions), daemon)
         return {"busy": busy, "clients": clients, "decisions": daemon.autoscaler.decisions}
 
     out = run_foreground(daemon, session=session)
