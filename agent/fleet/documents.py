@@ -196,6 +196,16 @@ def _dumps(obj: Any) -> str:
 
 # -- field checks ------------------------------------------------------------------------------
 
+
+def _request_id(fields: _Fields) -> str:
+    """A document's ``request_id``, checked as topics.check_request_id does."""
+    request_id = fields.raw("request_id")
+    try:
+        check_request_id(request_id)
+    except DocumentError:
+        raise _bad("request_id", "1-64 characters of [A-Za-z0-9_.:-]", request_id) from None
+    return request_id  # type: ignore[no-any-return]
+
 def _bad(field_name: str, expected: str, found: object) -> DocumentError:
     return DocumentError(f"invalid value for '{field_name}'", reason="bad_field",
                          field=field_name, expected=expected, found=_show(found))
@@ -565,11 +575,7 @@ class Command(Document):
         fields = _header(data, cls.kind, ("request_id", "command", "args", "issued_at"),
                          optional=("expires_at",))
         fleet, device = fields.fleet_and_device()
-        request_id = fields.raw("request_id")
-        try:
-            check_request_id(request_id)
-        except DocumentError:
-            raise _bad("request_id", "1-64 characters of [A-Za-z0-9_.:-]", request_id) from None
+        request_id = _request_id(fields)
         command = fields.raw("command")
         if command not in COMMANDS:
             raise _bad("command", "one of " + ", ".join(COMMANDS), command)
@@ -622,11 +628,7 @@ class Response(Document):
         fields = _header(data, cls.kind, ("request_id", "ok", "result", "error", "answered_at",
                                           "repeated"))
         fleet, device = fields.fleet_and_device()
-        request_id = fields.raw("request_id")
-        try:
-            check_request_id(request_id)
-        except DocumentError:
-            raise _bad("request_id", "1-64 characters of [A-Za-z0-9_.:-]", request_id) from None
+        request_id = _request_id(fields)
         error = fields.raw("error")
         return cls(fleet=fleet, device=device, request_id=request_id, ok=fields.boolean("ok"),
                    answered_at=fields.time("answered_at"),

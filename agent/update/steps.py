@@ -140,22 +140,10 @@ class DaemonSteps:
 
     async def download(self, job: UpdateJob) -> None:
         self.downloads_dir.mkdir(parents=True, exist_ok=True)
-        destination = self._destination(job.source)
-
-        def progress(update: Any) -> None:
-            job.progress(received_bytes=update.received_bytes, total_bytes=update.total_bytes,
-                         bytes_per_s=round(update.bytes_per_s))
-
-        result = await download(job.source, destination, policy=self.download_policy,
-                                expected_sha256=job.expected.sha256, on_progress=progress)
-        job.notes["bundle_path"] = result.path
-        job.notes["sha256"] = result.sha256
+        await fetch_bundle(job, self._destination(job.source), self.download_policy)
 
     async def verify(self, job: UpdateJob) -> BundleId:
-        path = Path(job.notes.get("bundle_path") or self._destination(job.source))
-        if not path.is_file():
-            raise UpdateError("the downloaded bundle is gone", reason="not_downloaded",
-                              path=path)
+        path = downloaded_bundle(job, self._destination(job.source))
         service = self.service
         keys, device_class = self.daemon.config.trust.keys, self.daemon.config.device_class
         return await asyncio.get_running_loop().run_in_executor(
@@ -443,6 +431,31 @@ def _require_bundle_ref(job: UpdateJob) -> tuple[str, int]:
     bundle = _require_bundle(job)
     assert bundle.name is not None and bundle.version is not None  # checked just above
     return bundle.name, bundle.version
+
+
+async def fetch_bundle(job: UpdateJob, destination: Path, policy: DownloadPolicy) -> None:
+    """The downloading state's work: ``job.source`` to ``destination`` (resumed when a part is
+    there), with progress on the job; the file and its sha256 go into ``job.notes``."""
+    def progress(update: Any) -> None:
+        job.progress(received_bytes=update.received_bytes, total_bytes=update.total_bytes,
+                     bytes_per_s=round(update.bytes_per_s))
+
+    result = await download(job.source, destination, policy=policy,
+                            expected_sha256=job.expected.sha256, on_progress=progress)
+    job.notes["bundle_path"] = result.path
+    job.notes["sha256"] = result.sha256
+
+
+def downloaded_bundle(job: UpdateJob, destination: Path) -> Path:
+    """The file :func:`fetch_bundle` left for ``job`` (``destination`` after a restart).
+
+    Raises:
+        UpdateError: ``not_downloaded``: it is gone.
+    """
+    path = Path(job.notes.get("bundle_path") or destination)
+    if not path.is_file():
+        raise UpdateError("the downloaded bundle is gone", reason="not_downloaded", path=path)
+    return path
 
 
 def check_bundle(path: Path, keys: Sequence[Ed25519PublicKey], *, serving: Any,

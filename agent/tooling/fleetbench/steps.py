@@ -56,9 +56,15 @@ from agent import runtime
 from agent.backends.base import Backend, BackendOptions, ModelArtifacts
 from agent.errors import BundleError, StoreError, UpdateError
 from agent.store import ModelStore
-from agent.update.download import DownloadPolicy, discard_partial, download
+from agent.update.download import DownloadPolicy, discard_partial
 from agent.update.journal import BundleId
-from agent.update.steps import DOWNLOADS_DIR, _facts, check_bundle
+from agent.update.steps import (
+    DOWNLOADS_DIR,
+    _facts,
+    check_bundle,
+    downloaded_bundle,
+    fetch_bundle,
+)
 from agent.update.updater import UpdateJob, Verdict
 
 __all__ = ["AgentRecord", "BenchSteps", "load_version", "warm_up"]
@@ -195,22 +201,10 @@ class BenchSteps:
 
     async def download(self, job: UpdateJob) -> None:
         await self._in_pool(lambda: self.downloads_dir.mkdir(parents=True, exist_ok=True))
-
-        def progress(update: Any) -> None:
-            job.progress(received_bytes=update.received_bytes, total_bytes=update.total_bytes,
-                         bytes_per_s=round(update.bytes_per_s))
-
-        result = await download(job.source, self._destination(job.source),
-                                policy=self.download_policy,
-                                expected_sha256=job.expected.sha256, on_progress=progress)
-        job.notes["bundle_path"] = result.path
-        job.notes["sha256"] = result.sha256
+        await fetch_bundle(job, self._destination(job.source), self.download_policy)
 
     async def verify(self, job: UpdateJob) -> BundleId:
-        path = Path(job.notes.get("bundle_path") or self._destination(job.source))
-        if not path.is_file():
-            raise UpdateError("the downloaded bundle is gone", reason="not_downloaded",
-                              path=path)
+        path = downloaded_bundle(job, self._destination(job.source))
         serving = self._require_serving()
         # What check_bundle reads of a ModelService: the name and version serving, and the
         # serving session's inputs and outputs.
