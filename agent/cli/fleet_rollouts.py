@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from agent.errors import ConfigError, FleetError, Terminated, printable
-from agent.cli.update import seconds_argument
+from agent.cli.update import format_duration, seconds_argument
 
 EXIT_ABORTED = 3
 EXIT_WAITING = 4
@@ -224,7 +224,7 @@ def format_status(table: dict[str, Any]) -> str:
         if row["reported_at"]:
             moment = datetime.datetime.strptime(row["reported_at"][:19], "%Y-%m-%dT%H:%M:%S")
             age = (now - moment.replace(tzinfo=datetime.timezone.utc)).total_seconds()
-            reported = f"{_age(age)} ago"
+            reported = f"{format_duration(max(0.0, age))} ago"
         status_text = "-"
         if status:
             status_text = f"v{status['version']} {status['status']}"
@@ -250,14 +250,6 @@ def format_status(table: dict[str, Any]) -> str:
                      f"{counts['failed']} failed, {counts['timed_out']} timed out, "
                      f"{counts['waiting'] + counts['applying']} in progress")
     return "\n".join(lines)
-
-
-def _age(seconds: float) -> str:
-    if seconds < 120:
-        return f"{max(0, seconds):.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 # -- deploy ------------------------------------------------------------------------------------

@@ -220,7 +220,7 @@ def summary(status: UpdateStatus, *, now_unix_s: float | None = None) -> str:
     now = time.time() if now_unix_s is None else now_unix_s
     state = status.state
     if status.since_unix_s is not None:
-        state += f" for {_duration(max(0.0, now - status.since_unix_s))}"
+        state += f" for {format_duration(max(0.0, now - status.since_unix_s))}"
     lines = [f"state: {state}", f"serving: {_serving(status)}"]
     if status.target is not None:
         attempts = f", attempt {status.attempts}" if status.attempts else ""
@@ -233,7 +233,8 @@ def summary(status: UpdateStatus, *, now_unix_s: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
+    """A duration as people read it: seconds, minutes or hours."""
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:
