@@ -4,8 +4,13 @@ serve`` runs ``serve`` as its own process).
 
 :func:`run_foreground` starts a :class:`~agent.daemon.Daemon`, serves until SIGTERM or SIGINT
 (systemd's stop, Ctrl-C), until a session it was given finishes, or until a critical background
-task fails, then stops the daemon in order and lets go of its state directory. SIGHUP is ignored
-throughout: there is nothing to reload, and by default it would kill the daemon without a drain.
+task fails, then stops the daemon in order and lets go of its state directory.
+
+Under systemd (``$NOTIFY_SOCKET``, see :mod:`agent.systemd`) :func:`run_daemon` also tells it how
+the start goes, when the daemon is ready, what it serves, that it is alive (the watchdog) and that
+it stops. SIGHUP reloads the configuration when the entry point can read it again (``edge-agent
+serve`` can: :mod:`agent.reload` says what changes at once and what needs a restart); otherwise,
+and during the start, it is ignored, since by default it would kill the daemon without a drain.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from agent.backends import ModelArtifacts
 from agent.config import AgentConfig
 from agent.daemon import Daemon
 from agent.errors import AgentError, StopRequested, Terminated
+from agent.systemd import Notifier, SystemdService, attach_systemd, extend_while
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +36,8 @@ Session = Callable[[int], Awaitable[T]]
 
 
 def ignore_sighup(*_: object) -> None:
-    log.warning("SIGHUP ignored: the daemon does not reload its configuration; restart it instead")
+    log.warning("SIGHUP ignored: the daemon reloads its configuration only once it serves, and "
+                "only when started by `edge-agent serve`")
 
 
 def check_can_listen(host: str, port: int) -> None:
@@ -48,41 +55,65 @@ def check_can_listen(host: str, port: int) -> None:
 
 
 def run_daemon(config: AgentConfig, *, bundle: Path | None = None,
-               on_ready: Callable[[int], Any] | None = None) -> int:
+               on_ready: Callable[[int], Any] | None = None,
+               reload_config: Callable[[], AgentConfig] | None = None,
+               notifier: Notifier | None = None) -> int:
     """``edge-agent serve``: install ``bundle`` if given, then serve until SIGTERM/SIGINT;
-    returns the exit status."""
+    returns the exit status. ``reload_config`` reads the configuration again for SIGHUP;
+    ``notifier`` defaults to the one ``$NOTIFY_SOCKET`` names (nothing outside systemd)."""
     # A busy port would only be found once the model has loaded (minutes, when a TensorRT
     # engine is built first): look now.
     check_can_listen(config.http.host, config.http.port)
     # SIGHUP (a closed terminal, or an operator expecting a reload) would kill the daemon
-    # outright, even mid-install: there is nothing to reload, so it is ignored throughout.
+    # outright, even mid-install: it is ignored until the daemon serves and can reload.
     signal.signal(signal.SIGHUP, ignore_sighup)
+    notifier = notifier if notifier is not None else Notifier.from_environment()
     daemon = Daemon(config)
     candidate = None
     try:
+        systemd = attach_systemd(daemon, notifier)
         if bundle is not None:
+            notifier.status(f"installing {bundle.name}")
             candidate = daemon.install(bundle)
             log.info("installed %s v%d from %s", candidate.name, candidate.version, bundle)
     except BaseException:
         daemon.close()
+        notifier.close()
         raise
-    run_foreground(daemon, candidate=candidate, on_ready=on_ready)
+
+    def ready(port: int) -> None:
+        if systemd is not None:
+            systemd.ready()
+        if on_ready is not None:
+            on_ready(port)
+
+    try:
+        run_foreground(daemon, candidate=candidate, on_ready=ready,
+                       reload_config=reload_config, systemd=systemd)
+    finally:
+        notifier.close()
     return 0
 
 
 @overload
 def run_foreground(daemon: Daemon, *, candidate: ModelArtifacts | None = None,
-                   session: Session[T], on_ready: Callable[[int], Any] | None = None) -> T: ...
+                   session: Session[T], on_ready: Callable[[int], Any] | None = None,
+                   reload_config: Callable[[], AgentConfig] | None = None,
+                   systemd: SystemdService | None = None) -> T: ...
 
 
 @overload
 def run_foreground(daemon: Daemon, *, candidate: ModelArtifacts | None = None,
-                   session: None = None, on_ready: Callable[[int], Any] | None = None) -> None: ...
+                   session: None = None, on_ready: Callable[[int], Any] | None = None,
+                   reload_config: Callable[[], AgentConfig] | None = None,
+                   systemd: SystemdService | None = None) -> None: ...
 
 
 def run_foreground(daemon: Daemon, *, candidate: ModelArtifacts | None = None,
                    session: Session[T] | None = None,
-                   on_ready: Callable[[int], Any] | None = None) -> T | None:
+                   on_ready: Callable[[int], Any] | None = None,
+                   reload_config: Callable[[], AgentConfig] | None = None,
+                   systemd: SystemdService | None = None) -> T | None:
     """Start ``daemon`` (on ``candidate``, an installed version, or the store's current one),
     serve, stop it in order and close it. Call from the main thread.
 
@@ -98,7 +129,7 @@ def run_foreground(daemon: Daemon, *, candidate: ModelArtifacts | None = None,
             before the session finished.
     """
     try:
-        return _run_loop(_serve(daemon, candidate, session, on_ready))
+        return _run_loop(_serve(daemon, candidate, session, on_ready, reload_config, systemd))
     finally:
         daemon.close()
 
@@ -110,7 +141,9 @@ LEFTOVER_TIMEOUT_S = 5.0
 
 
 async def _serve(daemon: Daemon, candidate: ModelArtifacts | None, session: Session[T] | None,
-                 on_ready: Callable[[int], Any] | None) -> T | None:
+                 on_ready: Callable[[int], Any] | None,
+                 reload_config: Callable[[], AgentConfig] | None = None,
+                 systemd: SystemdService | None = None) -> T | None:
     loop = asyncio.get_running_loop()
     received: list[int] = []
 
@@ -124,9 +157,12 @@ async def _serve(daemon: Daemon, candidate: ModelArtifacts | None, session: Sess
     loop.add_signal_handler(signal.SIGHUP, ignore_sighup)
     try:
         try:
-            port = await _start(daemon, candidate)
+            port = await _start(daemon, candidate, systemd)
             result, cut_short = None, session is not None
             if port is not None:
+                if reload_config is not None:
+                    loop.add_signal_handler(signal.SIGHUP, _reloader(daemon, reload_config,
+                                                                     systemd))
                 if on_ready is not None:
                     on_ready(port)
                 result, cut_short = await _until_stopped(
@@ -144,13 +180,61 @@ async def _serve(daemon: Daemon, candidate: ModelArtifacts | None, session: Sess
     return result
 
 
-async def _start(daemon: Daemon, candidate: ModelArtifacts | None) -> int | None:
-    """Start the daemon; returns its port, or None when a stop request ended the start."""
+async def _start(daemon: Daemon, candidate: ModelArtifacts | None,
+                 systemd: SystemdService | None = None) -> int | None:
+    """Start the daemon; returns its port, or None when a stop request ended the start. Under
+    systemd the start asks for more time while it runs (an engine build takes minutes)."""
+    start = asyncio.ensure_future(daemon.start(candidate))
+    extending = (asyncio.ensure_future(extend_while(start, systemd.notifier, "starting: loading "
+                                                    "the model"))
+                 if systemd is not None else None)
     try:
-        return await daemon.start(candidate)
+        return await start
     except StopRequested as exc:
         log.info("stopped while starting: %s", exc)
         return None
+    finally:
+        if extending is not None:
+            extending.cancel()
+            await asyncio.gather(extending, return_exceptions=True)
+
+
+def _reloader(daemon: Daemon, read: Callable[[], AgentConfig],
+              systemd: SystemdService | None) -> Callable[[], None]:
+    """The SIGHUP handler once the daemon serves: one reload at a time, on the event loop; a
+    configuration that does not load leaves the one in force, and says why."""
+    from agent.reload import reload
+
+    running: list[asyncio.Task[None]] = []
+
+    async def run() -> None:
+        if systemd is not None:
+            systemd.notifier.reloading()
+        outcome = "reload: "
+        try:
+            # Reading the file (and the key files it names) is quick, but off the loop all
+            # the same: a slow disk must not hold requests.
+            new = await asyncio.get_running_loop().run_in_executor(None, read)
+            outcome += reload(daemon, new).summary()
+        except AgentError as exc:
+            log.error("reload refused, the configuration in force is kept: %s", exc)
+            outcome += f"refused ({exc})"
+        except Exception:  # noqa: BLE001 - a reload's bug must not take the daemon down
+            log.exception("reload failed, the configuration in force is kept")
+            outcome += "failed (see the log)"
+        finally:
+            if systemd is not None:
+                systemd.notifier.ready()
+                systemd.notifier.status(outcome)
+
+    def on_sighup() -> None:
+        if running and not running[-1].done():
+            log.warning("SIGHUP: a reload is already under way")
+            return
+        log.info("SIGHUP: reloading the configuration")
+        running[:] = [asyncio.get_running_loop().create_task(run(), name="reload")]
+
+    return on_sighup
 
 
 async def _until_stopped(daemon: Daemon, work: Awaitable[T] | None) -> tuple[T | None, bool]:

@@ -489,8 +489,8 @@ def test_a_failed_start_says_why_even_when_the_pointer_is_damaged(
     assert "the current version cannot be read" in caplog.text
 
 
-def test_sighup_neither_kills_nor_stops_the_daemon(tmp_path: Path,
-                                                   signed: tuple[Path, Path, Any]) -> None:
+def test_sighup_reloads_and_neither_kills_nor_stops_the_daemon(
+        tmp_path: Path, signed: tuple[Path, Path, Any]) -> None:
     bundle, public_key, _ = signed
     port = free_port()
     process = serve("--bundle", str(bundle), "--pubkey", str(public_key), "--state-dir",
@@ -505,7 +505,8 @@ def test_sighup_neither_kills_nor_stops_the_daemon(tmp_path: Path,
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=30)[0].decode()
     assert process.returncode == 0, output
-    assert "SIGHUP ignored" in output
+    assert "SIGHUP: reloading the configuration" in output
+    assert "configuration reloaded: nothing changed" in output
 
 
 def test_a_busy_port_is_found_before_the_model_loads(

@@ -65,4 +65,4 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     if not (args.verbose or args.quiet):
         apply_level(config.log.level)
-    return run_daemon(config, bundle=args.bundle)
+    return run_daemon(config, bundle=args.bundle, reload_config=lambda: load_with_keys(args))

@@ -160,6 +160,12 @@ class ModelStore:
 
     # -- reading --------------------------------------------------------------------------------
 
+    def set_trusted_keys(self, keys: Sequence[Ed25519PublicKey]) -> None:
+        """Trust these keys from now on (a configuration reload): later installs and loads are
+        checked against them; what is already loaded is not checked again."""
+        with self._lock:
+            self._trusted_keys = tuple(keys)
+
     def current(self) -> ModelArtifacts | None:
         """The current version (None when none was ever activated), read without re-hashing.
 
