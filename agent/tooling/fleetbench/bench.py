@@ -590,7 +590,7 @@ class _Run:
                 "rollout_running_at_kill": facts["rollout_running_at_kill"],
                 "down_s": round(back - killed_at, 3)}
 
-    async def retained_desired(self, version: int) -> dict[str, int]:
+    async def retained_desired(self, version: int) -> dict[str, Any]:
         """What the broker holds now: a fresh subscriber counts the devices whose retained
         desired document names ``version`` (the documents a device that comes back finds)."""
         from agent.fleet import topics
@@ -598,6 +598,7 @@ class _Run:
         from agent.fleet.documents import Desired, open_envelope
 
         held: dict[str, int] = {}
+        unreadable: list[str] = []
         marker = f"{topics.ROOT}/{FLEET}/_bench/sync/{secrets.token_hex(4)}"
         token = secrets.token_hex(8).encode()
         back = asyncio.Event()
@@ -609,11 +610,14 @@ class _Run:
                     back.set()
                 return
             if message.payload:
-                with contextlib.suppress(Exception):
+                try:
                     desired: Desired = open_envelope(message.payload, keys,
                                                      expect=Desired).document
-                    if desired.model is not None:
-                        held[desired.device] = desired.model.version
+                except Exception as exc:  # noqa: BLE001 - counted and named in the summary
+                    unreadable.append(f"{message.topic}: {exc}")
+                    return
+                if desired.model is not None:
+                    held[desired.device] = desired.model.version
 
         link = MqttLink(self.workspace.operator_options(f"bench-check-{os.getpid()}",
                                                         session_expiry_s=0),
@@ -626,7 +630,10 @@ class _Run:
             await asyncio.wait_for(back.wait(), 60)
         finally:
             await link.stop()
-        return {"devices": len(held),
+        versions: dict[str, int] = {}
+        for value in held.values():
+            versions[str(value)] = versions.get(str(value), 0) + 1
+        return {"devices": len(held), "versions": versions, "unreadable": unreadable[:3],
                 "naming_version": sum(1 for value in held.values() if value == version)}
 
     async def misbehaving(self, bad: int, good: int) -> dict[str, Any]:
