@@ -209,9 +209,14 @@ def test_a_signed_desired_updates_two_daemons_and_each_reports_the_new_version_c
                 sequences = [docs.decode(m.payload).sequence
                              for m in operator.on(f"edge/{FLEET}/{name}/reported")]
                 assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
-        # A clean stop says offline itself (the Will is for unclean ones).
+            before = {name: len(operator.on(f"edge/{FLEET}/{name}/reported")) for name in names}
+        # A clean stop publishes a last reported document, then says offline itself (the Will
+        # is for unclean ones).
         for name in names:
             assert not docs.decode(operator.on(f"edge/{FLEET}/{name}/online")[-1].payload).online
+            reported = operator.on(f"edge/{FLEET}/{name}/reported")
+            assert len(reported) > before[name]
+            assert docs.decode(reported[-1].payload).applied.version == 2
 
     run(scenario)
 

@@ -251,7 +251,16 @@ class FleetDevice:
         if link is None:
             return
         if link.connected:
-            # A clean disconnect suppresses the Will: say it ourselves.
+            # The last word of this run: what it serves and where the update stands now (the
+            # update itself is parked in its journal as the daemon stops), then "offline" (a
+            # clean disconnect suppresses the Will: say it ourselves).
+            try:
+                await link.publish(f"{self.root}/{topics.REPORTED}",
+                                   await asyncio.wait_for(self._reported_payload(),
+                                                          STOP_PUBLISH_S),
+                                   retain=True, timeout_s=STOP_PUBLISH_S)
+            except (FleetError, asyncio.TimeoutError) as exc:
+                log.warning("could not publish the final reported document: %s", exc)
             try:
                 await link.publish(f"{self.root}/{topics.ONLINE}",
                                    self._online(False, self._clock()).encode(), retain=True,
