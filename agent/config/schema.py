@@ -355,6 +355,60 @@ class FleetConfig(Section):
                           self.key_file or self.cert_file or "")
 
 
+POWER_PROFILES = ("governed", "max", "min", "stock")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PowerConfig(Section):
+    """``[power]``: power governance of the board (design section 6, power/, agent/power/).
+    Off by default: with ``enabled`` false the daemon never reads or writes the board's clock
+    files. The policy keys are :class:`power.types.PowerPolicy`'s (``desired.power`` and
+    ``edge-agent power set`` change them at run time); 0 and -1 stand for its ``None``."""
+
+    section: ClassVar[str] = "power"
+
+    enabled: bool = False
+    # The board's files are read and written under this root ("/" on a board; a fake board's
+    # directory in tests and the simulator).
+    root: Path = Path("/")
+    # A board profile name (orin-nano, agx-orin-64gb...); empty: identified from the device tree.
+    board: str = ""
+    profile: str = field(default="governed", metadata=bounds(choices=POWER_PROFILES))
+    latency_target_s: float = field(default=0.050, metadata=bounds(minimum=0.0001,
+                                                                   maximum=60.0))
+    percentile: float = field(default=0.99, metadata=bounds(minimum=0.5, maximum=0.9999))
+    # 0: no power cap.
+    power_cap_mw: int = field(default=0, metadata=bounds(minimum=0, maximum=1_000_000))
+    idle_after_s: float = field(default=1.0, metadata=bounds(minimum=0.01, maximum=3600.0))
+    sleep_after_s: float = field(default=10.0, metadata=bounds(minimum=0.01, maximum=86400.0))
+    # -1: keep the nvpmodel mode while sleeping.
+    sleep_nvpmodel_mode: int = field(default=-1, metadata=bounds(minimum=-1, maximum=255))
+    release_engine_in_sleep: bool = False
+    thermal_margin_c: float = field(default=5.0, metadata=bounds(minimum=0.0, maximum=50.0))
+    max_changes_per_s: float = field(default=5.0, metadata=bounds(minimum=0.1, maximum=1000.0))
+    allow_nvpmodel: bool = False
+    # How often the governor steps, and how often telemetry is read for metrics and reported.
+    control_period_s: float = field(default=0.05, metadata=bounds(minimum=0.005, maximum=10.0))
+    telemetry_period_s: float = field(default=1.0, metadata=bounds(minimum=0.05,
+                                                                   maximum=3600.0))
+    # The longest a request waits for the board to wake before it is dispatched anyway.
+    wake_timeout_s: float = field(default=1.0, metadata=bounds(minimum=0.01, maximum=10.0))
+
+    def _check(self) -> None:
+        if self.sleep_after_s < self.idle_after_s:
+            raise invalid("power.sleep_after_s",
+                          f"at least power.idle_after_s ({self.idle_after_s:g})",
+                          self.sleep_after_s)
+        if self.sleep_nvpmodel_mode >= 0 and not self.allow_nvpmodel:
+            raise invalid("power.sleep_nvpmodel_mode",
+                          "-1 (none) unless power.allow_nvpmodel is true",
+                          self.sleep_nvpmodel_mode)
+        if self.telemetry_period_s < self.control_period_s:
+            raise invalid("power.telemetry_period_s",
+                          f"at least power.control_period_s ({self.control_period_s:g})",
+                          self.telemetry_period_s)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LogConfig(Section):
     """``[log]``."""
@@ -389,6 +443,7 @@ class AgentConfig(Section):
     store: StoreConfig = field(default_factory=StoreConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    power: PowerConfig = field(default_factory=PowerConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def _check(self) -> None:
