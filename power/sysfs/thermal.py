@@ -1,0 +1,53 @@
+"""Thermal zones: each zone's name and trip points (read once), and its temperature (m°C in the
+files, °C here). A zone whose temperature cannot be read (the cv zones of an Orin Nano fail with
+EAGAIN) reads as ``None``, never as a number that looks real (-256 °C is what jtop shows)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from power.io import read_int, read_text
+from power.types import ThermalZone
+
+
+def zone_name(zone_type: str) -> str:
+    """``cpu-thermal``, ``CPU-therm`` -> ``cpu``; ``tj-therm`` -> ``tj``; ``PMIC-Die`` stays."""
+    for suffix in ("-thermal", "-therm"):
+        if zone_type.endswith(suffix):
+            return zone_type[: -len(suffix)].lower()
+    return zone_type
+
+
+class ThermalZones:
+    def __init__(self, root: Path, zone_dirs: tuple[str, ...]) -> None:
+        self.root = root
+        self.zones: list[tuple[str, str, tuple[tuple[str, float], ...]]] = []
+        for zone in zone_dirs:
+            try:
+                name = zone_name(read_text(root, f"{zone}/type"))
+            except OSError:
+                continue
+            self.zones.append((name, f"{zone}/temp", self._trips(zone)))
+
+    def _trips(self, zone: str) -> tuple[tuple[str, float], ...]:
+        trips = []
+        index = 0
+        while True:
+            try:
+                trip_type = read_text(self.root, f"{zone}/trip_point_{index}_type")
+                trip_mc = read_int(self.root, f"{zone}/trip_point_{index}_temp")
+            except (OSError, ValueError):
+                break
+            trips.append((trip_type, trip_mc / 1000.0))
+            index += 1
+        return tuple(trips)
+
+    def read(self) -> tuple[ThermalZone, ...]:
+        zones = []
+        for name, temp_path, trips in self.zones:
+            try:
+                temp_c: float | None = read_int(self.root, temp_path) / 1000.0
+            except (OSError, ValueError):
+                temp_c = None
+            zones.append(ThermalZone(name=name, temp_c=temp_c, trips_c=trips))
+        return tuple(zones)

@@ -1,0 +1,168 @@
+"""The board's identity and its sysfs groups, on fake trees of every profile and JetPack release:
+detection, discovery of each group's files, units as the kernel writes them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.errors import PowerError
+from power.board import Board, jetpack_of, parse_release
+from power.profiles import ALIASES, PROFILES, identify, profile
+from power.sim.kernel import FakeKernel
+from power.sim.tree import write_tree
+from power.sysfs.discover import discover, read_device_tree
+from power.sysfs.thermal import zone_name
+from tests.power_boards import BOARD_RELEASES, board_ids, fake_board
+
+
+@pytest.mark.parametrize(("name", "jetpack"), BOARD_RELEASES, ids=board_ids())
+def test_every_profile_and_release_is_detected_with_its_tables(tmp_path: Path, name: str,
+                                                               jetpack: int) -> None:
+    tree = fake_board(tmp_path, name, jetpack)
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, jetpack))
+    assert board.profile is PROFILES[name]
+    assert board.jetpack == jetpack
+    table = board.clock_table()
+    assert table.gpu_hz == PROFILES[name].gpu_hz
+    assert table.cpu_khz == PROFILES[name].cpu_khz
+    assert table.emc_hz == PROFILES[name].emc_hz
+    assert [mode_id for mode_id, _ in table.nvpmodel_modes] == [
+        mode.mode_id for mode in PROFILES[name].modes]
+    assert len(board.cpu) == len(PROFILES[name].cpu_policies)
+    assert board.paths.gpu is not None and board.paths.gpu.freq_dir == tree.gpu_freq_dir
+    assert all(reason is None for reason in board.capabilities().values()), \
+        board.capabilities()
+
+
+def test_orin_nano_means_the_super_configuration() -> None:
+    assert ALIASES["orin-nano"] == "orin-nano-super"
+    board = profile("orin-nano")
+    assert board.super_modes and board.gpu_hz[-1] == 1020000000
+    assert [mode.name for mode in board.modes] == ["15W", "25W", "MAXN_SUPER", "7W"]
+
+
+def test_the_super_device_tree_tells_the_two_orin_nano_configurations_apart() -> None:
+    assert identify(("nvidia,p3768-0000+p3767-0005-super", "nvidia,p3767-0005",
+                     "nvidia,tegra234")) is PROFILES["orin-nano-super"]
+    assert identify(("nvidia,p3768-0000+p3767-0005", "nvidia,p3767-0005",
+                     "nvidia,tegra234")) is PROFILES["orin-nano-8gb"]
+    # A third-party carrier board with the same module: matched by the module's entry.
+    assert identify(("acme,carrier+p3767-0005", "nvidia,p3767-0005",
+                     "nvidia,tegra234")) is PROFILES["orin-nano-8gb"]
+    assert identify(("nvidia,p3999", "nvidia,tegra239")) is None
+    assert identify(()) is None
+
+
+def test_an_unknown_profile_name_lists_the_known_ones() -> None:
+    with pytest.raises(PowerError, match="unknown board profile") as caught:
+        profile("orin-nanoo")
+    assert "orin-nano-super" in str(caught.value)
+
+
+def test_a_board_outside_the_profiles_runs_from_its_own_files(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nx-16gb", 6)
+    compatible = tree.root / "sys/firmware/devicetree/base/compatible"
+    compatible.write_bytes(b"acme,robot-9000\0nvidia,p3999-0001\0nvidia,tegra234\0")
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
+    assert board.profile is None and board.name.startswith("unknown (")
+    assert board.clock_table().gpu_hz == PROFILES["orin-nx-16gb"].gpu_hz
+
+
+def test_a_machine_that_is_no_jetson_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "sys/devices/system/cpu/cpufreq/policy0").mkdir(parents=True)
+    with pytest.raises(PowerError, match="no Jetson board here"):
+        Board.open(tmp_path)
+
+
+def test_device_tree_strings_and_release(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "agx-orin-64gb", 6)
+    assert read_device_tree(tree.root, "model") == ("NVIDIA Jetson AGX Orin Developer Kit",)
+    assert read_device_tree(tree.root, "compatible")[0] == "nvidia,p3737-0000+p3701-0005"
+    assert parse_release("# R36 (release), REVISION: 4.3, GCID: 1, BOARD: generic") == "R36.4.3"
+    assert parse_release("garbage") is None
+    assert [jetpack_of(r) for r in ("R32.7.4", "R35.4.1", "R36.4.3", "R38.2.0", "R39.1")] == [
+        4, 5, 6, 7, 7]
+
+
+def test_the_releases_lay_the_gpu_out_differently_and_discovery_follows(tmp_path: Path) -> None:
+    dirs = {}
+    for jetpack in (5, 6, 7):
+        tree = write_tree(tmp_path / f"jp{jetpack}", profile("orin-nx-16gb"), jetpack)
+        paths = discover(tree.root)
+        assert paths.gpu is not None
+        dirs[jetpack] = (paths.gpu.freq_dir, paths.gpu.railgate_file)
+    assert dirs[5] == ("sys/devices/17000000.ga10b/devfreq/17000000.ga10b",
+                       "sys/devices/17000000.ga10b/railgate_enable")
+    assert dirs[6] == ("sys/devices/platform/bus@0/17000000.gpu/devfreq/17000000.gpu",
+                       "sys/devices/platform/bus@0/17000000.gpu/railgate_enable")
+    assert dirs[7] == ("sys/devices/platform/17000000.gpu/devfreq/17000000.gpu",
+                       "sys/devices/platform/17000000.gpu/power/control")
+    assert not (tmp_path / "jp7" / "sys/devices/platform/17000000.gpu/enable_3d_scaling").exists()
+
+
+def test_a_devfreq_entry_that_is_a_plain_directory_is_not_the_gpu(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path)
+    link = tree.root / "sys/class/devfreq/17000000.gpu"
+    link.unlink()
+    link.mkdir()
+    (link / "device").mkdir()
+    assert discover(tree.root).gpu is None
+
+
+def test_telemetry_in_the_kernels_units(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
+    tree.set(f"{tree.gpu_device_dir}/load", 353)  # per-mille
+    tree.set(f"{tree.gpu_freq_dir}/cur_freq", 918000000)
+    tree.set(f"{tree.gpu_device_dir}/power/runtime_status", "active")
+    tree.set(f"{tree.zones['tj-thermal']}/temp", 71250)  # m°C
+    hwmon, channel = tree.rails["VDD_IN"]
+    tree.set(f"{hwmon}/in{channel}_input", 5000)  # mV
+    tree.set(f"{hwmon}/curr{channel}_input", 2000)  # mA
+    reading = board.telemetry()
+    assert reading.gpu_load == pytest.approx(0.353)
+    assert reading.gpu_freq_hz == 918000000 and reading.gpu_railgated is False
+    assert reading.cpu_freq_khz == (1344000, 1344000)  # the 25W cap, both clusters
+    assert reading.emc_hz == 3199000000
+    zones = {zone.name: zone for zone in reading.thermal}
+    assert zones["tj"].temp_c == pytest.approx(71.25)
+    assert zones["tj"].trips_c == (("passive", 99.0), ("critical", 104.5))
+    assert zones["cv0"].temp_c is None  # unreadable on the Orin Nano, not -256
+    assert reading.rails_mw["VDD_IN"] == 10000
+    assert reading.total_power_mw == 10000  # VDD_IN, not the sum
+    assert reading.hottest_margin_c() == pytest.approx(99.0 - 71.25)
+    assert reading.nvpmodel_mode == 1 and reading.source == "sysfs"
+
+
+def test_agx_orin_total_is_the_sum_of_its_connected_rails(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "agx-orin-64gb", 6)
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
+    reading = board.telemetry()
+    assert set(reading.rails_mw) == {"VDD_GPU_SOC", "VDD_CPU_CV", "VIN_SYS_5V0",
+                                     "VDDQ_VDD2_1V8AO"}  # the NC channels are skipped
+    assert reading.total_power_mw == sum(reading.rails_mw.values())
+    assert {zone.name for zone in reading.thermal if zone.temp_c is None} == set()
+
+
+def test_trip_points_come_from_the_zone_files(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6, trips_c=(("active", 60.0), ("hot", 85.0),
+                                                         ("critical", 97.0)))
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
+    zone = next(zone for zone in board.telemetry().thermal if zone.name == "cpu")
+    assert zone.trips_c == (("active", 60.0), ("hot", 85.0), ("critical", 97.0))
+
+
+def test_release_5_zone_names_are_normalised(tmp_path: Path) -> None:
+    assert [zone_name(n) for n in ("CPU-therm", "tj-therm", "cpu-thermal", "PMIC-Die")] == [
+        "cpu", "tj", "cpu", "PMIC-Die"]
+    tree = fake_board(tmp_path, "orin-nano-8gb", 5)
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 5))
+    assert [zone.name for zone in board.telemetry().thermal][:3] == ["cpu", "gpu", "cv0"]
+
+
+def test_fan_reads_pwm_and_rpm(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path)
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
+    assert board.fan.pwm() == 62 and board.fan.rpm() == 1636
