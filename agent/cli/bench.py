@@ -31,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     register_serve(kinds)
     register_swap(kinds)
     register_fleet(kinds)
+    register_power(kinds)
 
 
 def check_json_path(path: Path | None) -> None:
@@ -221,3 +222,53 @@ def run_fleet(args: argparse.Namespace) -> int:
         write_summary(summary, args.json)
         print(f"wrote {args.json}")
     return 1 if not all(value is not False for value in summary["targets"].values()) else 0
+
+
+def register_power(kinds: argparse._SubParsersAction) -> None:
+    power = kinds.add_parser(
+        "power",
+        help="SIMULATION: energy and latency of max clocks, the stock governors and ours over "
+             "four traces, and the simulator's calibration against published measurements",
+        description="Runs on a simulated board (power/sim/): the production board layer and "
+                    "governor drive a fake sysfs tree whose physics is calibrated to the "
+                    "published anchors. Exit status 1 when a target is missed.")
+    power.add_argument("--board", default="orin-nano", help="board profile (default orin-nano)")
+    power.add_argument("--jetpack", type=int, default=6)
+    power.add_argument("--mode", type=int, metavar="ID",
+                       help="nvpmodel mode (default: the profile's uncapped mode, MAXN_SUPER)")
+    power.add_argument("--seed", type=int, default=1)
+    power.add_argument("--target-ms", type=float, default=50.0, metavar="MS",
+                       help="the P99 latency target")
+    power.add_argument("--quick", action="store_true", help="short traces (tests)")
+    power.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
+    power.add_argument("--plot", type=Path, metavar="PNG",
+                       help="the plot (default: next to --json, else none)")
+    power.set_defaults(handler=run_power)
+
+
+def run_power(args: argparse.Namespace) -> int:
+    from agent.tooling.powerbench.plot import write_plot
+    from agent.tooling.powerbench.report import check_targets, format_summary
+    from agent.tooling.powerbench.runner import PowerBenchOptions, run_bench
+
+    check_json_path(args.json)
+    plot = args.plot if args.plot is not None else (
+        args.json.with_suffix(".png") if args.json is not None else None)
+    check_json_path(plot)
+    options = PowerBenchOptions(board=args.board, jetpack=args.jetpack, mode_id=args.mode,
+                                seed=args.seed, quick=args.quick,
+                                latency_target_s=args.target_ms / 1000)
+    summary, outcomes = run_bench(options)
+    check_targets(summary)
+    if plot is not None:
+        skipped = write_plot(outcomes.get("bursty", []), plot, target_ms=args.target_ms)
+        summary["plot"] = None if skipped else str(plot)
+        summary["plot_skipped"] = skipped
+    print(format_summary(summary))
+    if plot is not None:
+        print(f"plot skipped: {summary['plot_skipped']}" if summary["plot_skipped"]
+              else f"wrote {plot}")
+    if args.json:
+        write_summary(summary, args.json)
+        print(f"wrote {args.json}")
+    return 0 if summary["targets_met"] else 1

@@ -55,6 +55,19 @@ class _Domain:
             self.pending = _Pending(at_s=now_s + self.delay_s, value=value)
 
 
+@dataclass(frozen=True)
+class _Controls:
+    """What the files asked for at the last sync."""
+
+    gpu_low: int
+    gpu_high: int
+    gpu_governor: str
+    gpu_3d_scaling: bool
+    cpu: tuple[tuple[int, int, str, int], ...]  # (min, max, governor, setspeed) per policy
+    emc_hz: int
+    railgate: bool
+
+
 @dataclass
 class TimelinePoint:
     """One sample of the board for the benchmark's plot (the average power since the last)."""
@@ -91,6 +104,7 @@ class SimBoard:
                  ) -> None:
         self.root = Path(root)
         self.physics = physics
+        self._written: dict[str, str] = {}  # what this board last wrote, by path
         self.paths: BoardPaths = discover(self.root)
         if self.paths.gpu is None or not self.paths.cpu:
             raise PowerError("the simulator needs a board tree with a GPU and CPU policies",
@@ -123,6 +137,7 @@ class SimBoard:
         self.timeline: list[TimelinePoint] | None = [] if record_timeline else None
         self.clock_changes = 0  # rates put in force (any domain)
         self._zone_files = self._writable_zones()
+        self._power_cache: dict[tuple[object, ...], float] = {}
         self.sync()
         self.publish()
 
@@ -141,11 +156,15 @@ class SimBoard:
         except ValueError:
             return default
 
-    def _write(self, relpath: str, value: object) -> None:
+    def _write(self, relpath: str, value: object, *, force: bool = False) -> None:
         # The kernel's side of the file: what a read shows. Written in place (never replaced), so
-        # a mode the tree gave a file stays.
+        # a mode the tree gave a file stays; skipped when it already shows that value.
+        text = f"{value}\n"
+        if not force and self._written.get(relpath) == text:
+            return
         with open(self.root / relpath, "w") as handle:
-            handle.write(f"{value}\n")
+            handle.write(text)
+        self._written[relpath] = text
 
     def _online_cores(self, policy: str) -> int:
         related = self._read(f"{policy}/related_cpus") or self._read(f"{policy}/affected_cpus")
@@ -192,25 +211,37 @@ class SimBoard:
 
     # -- what the governors and limits ask for ----------------------------------------------
 
+    def _read_controls(self) -> _Controls:
+        gpu = self.gpu_paths
+        gpu_low, gpu_high = self._limits(gpu.freq_dir, "min_freq", "max_freq", gpu.table_hz)
+        cpu = []
+        for policy in self.paths.cpu:
+            low, high = self._limits(policy.path, "scaling_min_freq", "scaling_max_freq",
+                                     policy.table_khz)
+            governor = self._read(f"{policy.path}/scaling_governor") or "schedutil"
+            setspeed = self._read_int(f"{policy.path}/scaling_setspeed", 0) \
+                if governor == "userspace" else 0
+            cpu.append((low, high, governor, setspeed))
+        return _Controls(gpu_low=gpu_low, gpu_high=gpu_high,
+                         gpu_governor=self._read(f"{gpu.freq_dir}/governor") or "nvhost_podgov",
+                         gpu_3d_scaling=self._read(f"{gpu.device_dir}/enable_3d_scaling") != "0",
+                         cpu=tuple(cpu), emc_hz=self._emc_wanted(),
+                         railgate=self._railgate_allowed_now())
+
     def _gpu_wanted(self, podgov_choice: int | None) -> int:
-        paths = self.gpu_paths
-        low, high = self._limits(paths.freq_dir, "min_freq", "max_freq", paths.table_hz)
-        governor = self._read(f"{paths.freq_dir}/governor") or "nvhost_podgov"
-        scaling = self._read(f"{paths.device_dir}/enable_3d_scaling")
-        if governor == "performance" or scaling == "0":
+        controls = self._controls
+        low, high = controls.gpu_low, controls.gpu_high
+        if controls.gpu_governor == "performance" or not controls.gpu_3d_scaling:
             return high
-        if governor == "powersave":
+        if controls.gpu_governor == "powersave":
             return low
         target = self.gpu.pending.value if self.gpu.pending else self.gpu.current
-        if governor == "nvhost_podgov" and podgov_choice is not None:
+        if controls.gpu_governor == "nvhost_podgov" and podgov_choice is not None:
             target = podgov_choice
         return min(max(target, low), high)
 
     def _cpu_wanted(self, index: int, schedutil_choice: int | None) -> int:
-        policy = self.paths.cpu[index]
-        low, high = self._limits(policy.path, "scaling_min_freq", "scaling_max_freq",
-                                 policy.table_khz)
-        governor = self._read(f"{policy.path}/scaling_governor") or "schedutil"
+        low, high, governor, setspeed = self._controls.cpu[index]
         domain = self.cpus[index]
         target = domain.pending.value if domain.pending else domain.current
         if governor == "performance":
@@ -218,7 +249,7 @@ class SimBoard:
         if governor == "powersave":
             return low
         if governor == "userspace":
-            target = self._read_int(f"{policy.path}/scaling_setspeed", target)
+            target = setspeed or target
         elif schedutil_choice is not None:
             target = schedutil_choice
         return min(max(target, low), high)
@@ -232,6 +263,10 @@ class SimBoard:
         return next((r for r in self.emc_rates_hz if r >= rate), self.emc_rates_hz[-1])
 
     def railgate_allowed(self) -> bool:
+        """Whether the files (as of the last :meth:`sync`) let the GPU rail be gated when idle."""
+        return self._controls.railgate
+
+    def _railgate_allowed_now(self) -> bool:
         railgate = self.gpu_paths.railgate_file
         if railgate is None:
             return False
@@ -240,12 +275,13 @@ class SimBoard:
 
     def sync(self) -> None:
         """Re-read the limits the board layer may have written and request the clocks they
-        imply (in force after each domain's delay)."""
+        imply (in force after each domain's delay). The governors' samples between two syncs use
+        the limits read here, as the kernel's would use the values last written."""
+        self._controls = self._read_controls()
         self.gpu.request(self.now_s, self._gpu_wanted(None))
         for index, domain in enumerate(self.cpus):
             domain.request(self.now_s, self._cpu_wanted(index, None))
-        emc_wanted = self._emc_wanted()
-        self.emc.request(self.now_s, emc_wanted)
+        self.emc.request(self.now_s, self._controls.emc_hz)
         self._online = [self._online_cores(policy.path) for policy in self.paths.cpu]
 
     # -- activity ----------------------------------------------------------------------------
@@ -307,16 +343,25 @@ class SimBoard:
                            gpu_on=self.gpu_on, emc_hz=self.emc.current)
 
     def power_now_mw(self) -> float:
-        cpu_table = self.paths.cpu[0].table_khz
-        return power_mw(self.physics, self._inputs(), cpu_table_khz=cpu_table,
-                        gpu_table_hz=self.gpu_paths.table_hz).total_mw
+        # Memoised on the state it depends on: the integration asks at every event.
+        key = (self.gpu.current, self.emc.current, tuple(domain.current for domain in self.cpus),
+               self.gpu_busy, self.serving_cpu_share, self.gpu_on, tuple(self._online))
+        cached = self._power_cache.get(key)
+        if cached is None:
+            cached = power_mw(self.physics, self._inputs(),
+                              cpu_table_khz=self.paths.cpu[0].table_khz,
+                              gpu_table_hz=self.gpu_paths.table_hz).total_mw
+            if len(self._power_cache) > 4096:
+                self._power_cache.clear()
+            self._power_cache[key] = cached
+        return cached
 
     def _integrate(self, until_s: float) -> None:
         span = until_s - self.now_s
         if span <= 0:
             return
         power = self.power_now_mw()
-        energy = power * span / 1000.0  # mW * s = mJ
+        energy = power * span  # mW * s = mJ
         self.energy_mj += energy
         self.temp_c = temperature_after_c(self.physics, self.temp_c, power, span)
         busy = span if self.gpu_busy else 0.0
@@ -366,8 +411,7 @@ class SimBoard:
         window = self._podgov_window
         span = self.now_s - window.start_s
         busy = window.gpu_busy_s / span if span > 0 else 0.0
-        low, high = self._limits(self.gpu_paths.freq_dir, "min_freq", "max_freq",
-                                 self.gpu_paths.table_hz)
+        low, high = self._controls.gpu_low, self._controls.gpu_high
         choice = self.podgov.sample(now_s=self.now_s, busy_share=min(1.0, busy),
                                     freq_hz=self.gpu.current, table_hz=self.gpu_paths.table_hz,
                                     min_hz=low, max_hz=high, railgated=not self.gpu_on)
@@ -380,8 +424,7 @@ class SimBoard:
         for index, (domain, governor) in enumerate(zip(self.cpus, self.schedutils)):
             policy = self.paths.cpu[index]
             busy = window.cpu_busy_s[index] / span if span > 0 else 0.0
-            low, high = self._limits(policy.path, "scaling_min_freq", "scaling_max_freq",
-                                     policy.table_khz)
+            low, high = self._controls.cpu[index][:2]
             choice = governor.update(now_s=self.now_s, interval_s=span, busy_share=min(1.0, busy),
                                      freq_khz=domain.current, table_khz=policy.table_khz,
                                      min_khz=low, max_khz=high)
@@ -395,7 +438,7 @@ class SimBoard:
         (averaged since the last publish, as the INA3221 averages), temperatures."""
         window = self._publish_window
         span = self.now_s - window.start_s
-        avg_mw = window.energy_mj * 1000.0 / span if span > 0 else self.power_now_mw()
+        avg_mw = window.energy_mj / span if span > 0 else self.power_now_mw()
         load = window.gpu_busy_s / span if span > 0 else (1.0 if self.gpu_busy else 0.0)
         gpu = self.gpu_paths
         self._write(f"{gpu.freq_dir}/cur_freq", self.gpu.current)
@@ -408,10 +451,11 @@ class SimBoard:
             self._write(f"{policy.path}/scaling_cur_freq", domain.current)
         emc = self.paths.emc
         if emc is not None and self._read(f"{emc.path}/mrq_rate_locked") != "1":
-            self._write(f"{emc.path}/rate", self.emc.current)
+            # The board layer writes this file too (a request, when it locks EMC): never cached.
+            self._write(f"{emc.path}/rate", self.emc.current, force=True)
         self._write_rails(avg_mw)
         for path, _ in self._zone_files:
-            self._write(path, int(round(self.temp_c * 1000)))
+            self._write(path, 100 * int(round(self.temp_c * 10)))
         if self.timeline is not None:
             self.timeline.append(TimelinePoint(
                 time_s=self.now_s, gpu_hz=self.gpu.current, cpu_khz=self.cpus[0].current,
