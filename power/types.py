@@ -156,6 +156,27 @@ class LoadSample:
     completed_total: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What one controller step decided (``Controller.step``'s answer, kept in its status)."""
+
+    time_s: float  # the controller's clock at the step
+    state: PowerState
+    point: OperatingPoint  # the point in force after the step
+    changed: bool  # this step applied a new point
+    reason: str  # why: "steady", "slack", "over target", "queue emergency", "thermal cap", ...
+    predicted_s: float | None = None  # the governor's P99 latency estimate at ``point``
+    applied: ApplyResult | None = None  # the board's answer when ``changed``
+
+    def to_json(self) -> dict[str, Any]:
+        return {"time_s": round(self.time_s, 6), "state": self.state.value,
+                "point": self.point.to_json(), "changed": self.changed, "reason": self.reason,
+                "predicted_ms": None if self.predicted_s is None
+                else round(self.predicted_s * 1000, 3),
+                "mismatches": [] if self.applied is None
+                else [m.path for m in self.applied.mismatches]}
+
+
 class BoardControl(Protocol):
     """What the controller needs of a board: the real one (``power/board.py``) over sysfs, which
     the simulator's files also feed."""
@@ -182,6 +203,7 @@ class BoardControl(Protocol):
 
 
 __all__ = [
-    "TRANSITIONS", "ApplyResult", "BoardControl", "ClockTable", "Completion", "LoadSample",
-    "Mismatch", "OperatingPoint", "PowerPolicy", "PowerState", "Telemetry", "ThermalZone",
+    "TRANSITIONS", "ApplyResult", "BoardControl", "ClockTable", "Completion", "Decision",
+    "LoadSample", "Mismatch", "OperatingPoint", "PowerPolicy", "PowerState", "Telemetry",
+    "ThermalZone",
 ]

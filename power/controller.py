@@ -1,0 +1,467 @@
+"""The power controller: drives a board through the power states with the governor's choices.
+
+``Controller(board, policy, clock=..., saved=...)`` is what the daemon's power thread and the
+simulator's serving loop call:
+
+* :meth:`~Controller.start` takes the board's snapshot (its limits before we touch them) and saves
+  it where a crash cannot lose it; a snapshot already saved means the last run died without
+  restoring, so that one is put back first and kept as the original.
+* :meth:`~Controller.step` (every ~50 ms) learns from the completions, reads telemetry at a lower
+  cadence (temperature and power change slowly; a full read costs more than a step may), moves
+  between the states of :data:`~power.types.TRANSITIONS` and applies the governor's point.
+* :meth:`~Controller.wake` is the batcher's wake hook: before the first request after idle or
+  sleep is dispatched, it boosts the clocks (one apply, no telemetry). :meth:`~Controller.needs_wake`
+  says whether the hook must be called.
+* :meth:`~Controller.stop` restores the snapshot and forgets the saved copy.
+
+Profiles: ``governed`` (the governor), ``max``/``min`` (the top or bottom point pinned) and
+``stock`` (the board's own governors: the snapshot restored and nothing written after).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from agent.errors import PowerError
+from power.governor import Governor, point_for
+from power.latency_model import PointKey
+from power.sleep import SleepPlanner, default_depth
+from power.thermal_guard import ThermalCap, ThermalGuard
+from power.types import (
+    TRANSITIONS, ApplyResult, BoardControl, ClockTable, Completion, Decision, LoadSample,
+    OperatingPoint, PowerPolicy, PowerState, Telemetry,
+)
+
+log = logging.getLogger(__name__)
+
+PROFILES = ("governed", "max", "min", "stock")
+TELEMETRY_PERIOD_S = 1.0  # a full telemetry read, at most this often
+SETTLE_S = 0.010  # a clock change is in force this long after its write (GPU 5 ms, EMC 8 ms)
+DECISIONS_KEPT = 64
+
+
+class SnapshotStore(Protocol):
+    """Where the board's original limits survive a crash (``power/saved.py`` on a device)."""
+
+    def save(self, snapshot: dict[str, Any]) -> None: ...
+
+    def load(self) -> dict[str, Any] | None: ...
+
+    def clear(self) -> None: ...
+
+
+class MemoryStore:
+    """A :class:`SnapshotStore` that does not survive the process (tests, the simulator)."""
+
+    def __init__(self, snapshot: dict[str, Any] | None = None) -> None:
+        self.snapshot = snapshot
+
+    def save(self, snapshot: dict[str, Any]) -> None:
+        self.snapshot = dict(snapshot)
+
+    def load(self) -> dict[str, Any] | None:
+        return None if self.snapshot is None else dict(self.snapshot)
+
+    def clear(self) -> None:
+        self.snapshot = None
+
+
+class Controller:
+    """Runs one board's power states and operating point.
+
+    Args:
+        board: the board (``power/board.py``'s ``Board``, or a double).
+        policy: what to aim for.
+        clock: monotonic seconds (the simulator passes its own time).
+        saved: where the snapshot for a restore after a crash is kept (default: memory only).
+        on_engine: called with ``False`` when sleep releases the engine's memory and ``True`` when
+            a wake needs it back (only when the policy's ``release_engine_in_sleep``).
+        engine_reload_s: how long getting the engine back takes (for sleep's break-even).
+        telemetry_period_s: how often a step reads the full telemetry.
+    """
+
+    def __init__(self, board: BoardControl, policy: PowerPolicy, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 saved: SnapshotStore | None = None,
+                 on_engine: Callable[[bool], None] | None = None,
+                 engine_reload_s: float = 2.0,
+                 telemetry_period_s: float = TELEMETRY_PERIOD_S) -> None:
+        check_policy(policy)
+        self.board = board
+        self.policy = policy
+        self._clock = clock
+        self._saved: SnapshotStore = saved if saved is not None else MemoryStore()
+        self._on_engine = on_engine
+        self._engine_reload_s = engine_reload_s
+        self._telemetry_period_s = telemetry_period_s
+        self.state = PowerState.ACTIVE
+        self._table: ClockTable | None = None
+        self._governor: Governor | None = None
+        self._guard: ThermalGuard | None = None
+        self._planner: SleepPlanner | None = None
+        self._snapshot: dict[str, Any] | None = None
+        self._started = False
+        self._point: OperatingPoint | None = None
+        self._key: PointKey | None = None
+        self._applies: deque[tuple[float, PointKey | None]] = deque(maxlen=256)
+        self._last_activity_s = 0.0
+        self._idle_since_s: float | None = None
+        self._last_arrivals: int | None = None
+        self._last_telemetry_s = -float("inf")
+        self.telemetry: Telemetry | None = None
+        self._cap: ThermalCap | None = None
+        self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)
+        self.changes = 0
+        self.steps = 0
+        self.step_cpu_s: deque[float] = deque(maxlen=4096)
+        self.wake_call_ms: deque[float] = deque(maxlen=64)
+        self.wake_ms: deque[float] = deque(maxlen=64)  # the first request's extra latency
+        self._woke_at_s: float | None = None
+        self._engine_released = False
+        self._active_key: PointKey | None = None  # the governor's last choice while active
+        self._stock = False
+        self._mode_before_sleep: int | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Save the board's original limits (restoring a crashed run's first), read the clock
+        table and put the policy's first point in force."""
+        if self._started:
+            raise PowerError("the power controller is already started")
+        left_over = self._saved.load()
+        if left_over is not None:
+            log.warning("restoring the board limits a previous run left (it did not stop)")
+            result = self.board.restore(left_over)
+            if not result.ok:
+                log.warning("restore after a crash left %d limit(s) different: %s",
+                            len(result.mismatches),
+                            ", ".join(m.path for m in result.mismatches))
+            self._snapshot = left_over
+        else:
+            self._snapshot = self.board.snapshot()
+            self._saved.save(self._snapshot)
+        table = self.board.clock_table()
+        if not table.gpu_hz or not table.cpu_khz:
+            raise PowerError("the board offers no GPU or CPU frequency table to govern",
+                             gpu_entries=len(table.gpu_hz), cpu_entries=len(table.cpu_khz))
+        self._table = table
+        self._governor = Governor(table, self.policy)
+        self._guard = ThermalGuard(table, margin_c=self.policy.thermal_margin_c)
+        self._planner = SleepPlanner(
+            sleep_after_s=self.policy.sleep_after_s,
+            depth=default_depth(idle_mw=None, sleep_mw=None,
+                                engine_reload_s=self._engine_reload_s,
+                                release_engine=self.policy.release_engine_in_sleep))
+        self._started = True
+        now = self._clock()
+        self._last_activity_s = now
+        self._enter_profile(now)
+
+    def stop(self) -> ApplyResult | None:
+        """Put the board's original limits back and forget the saved copy."""
+        if not self._started:
+            return None
+        self._started = False
+        result = None
+        if self._snapshot is not None:
+            result = self.board.restore(self._snapshot)
+            if not result.ok:
+                log.warning("restoring the board left %d limit(s) different: %s",
+                            len(result.mismatches), ", ".join(m.path for m in result.mismatches))
+        self._saved.clear()
+        if self._engine_released and self._on_engine is not None:
+            self._on_engine(True)
+            self._engine_released = False
+        return result
+
+    def set_policy(self, policy: PowerPolicy) -> None:
+        """Aim for ``policy`` from the next step (a profile change takes effect now)."""
+        check_policy(policy)
+        old = self.policy
+        self.policy = policy
+        if not self._started:
+            return
+        self._require_governor().set_policy(policy)
+        if self._guard is not None:
+            self._guard.margin_c = policy.thermal_margin_c
+        if self._planner is not None:
+            self._planner.sleep_after_s = policy.sleep_after_s
+        if old.profile != policy.profile:
+            self._enter_profile(self._clock())
+
+    def _enter_profile(self, now_s: float) -> None:
+        governor = self._require_governor()
+        profile = self.policy.profile
+        self._stock = profile == "stock"
+        if self._stock:
+            if self._snapshot is not None:
+                self.board.restore(self._snapshot)
+            self._point, self._key = None, None
+            return
+        key = governor.bottom if profile == "min" else governor.top
+        self._apply(key, now_s, reason=f"profile {profile}")
+        governor.placed(key, now_s)
+        self._set_state(PowerState.ACTIVE, now_s)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self, load: LoadSample, completions: Sequence[Completion] = ()) -> Decision:
+        """One governor step: learn, move between states, apply the point chosen."""
+        started_cpu = time.process_time()
+        try:
+            return self._step(load, completions)
+        finally:
+            self.step_cpu_s.append(time.process_time() - started_cpu)
+
+    def _step(self, load: LoadSample, completions: Sequence[Completion]) -> Decision:
+        if not self._started:
+            raise PowerError("the power controller was stepped before start() or after stop()")
+        governor = self._require_governor()
+        now = self._clock()
+        self.steps += 1
+        arrivals = load.arrivals_total - (self._last_arrivals if self._last_arrivals is not None
+                                          else load.arrivals_total)
+        self._last_arrivals = load.arrivals_total
+        busy = arrivals > 0 or load.queue_depth > 0 or load.busy_instances > 0
+        governor.observe(load, completions, self._key_of)
+        self._note_wake_latency(completions)
+        if now - self._last_telemetry_s >= self._telemetry_period_s:
+            self._read_telemetry(now)
+        if self._stock or self.policy.profile in ("max", "min"):
+            return self._decide(now, changed=False, reason=f"profile {self.policy.profile}")
+        if busy:
+            self._last_activity_s = now
+            if self.state in (PowerState.IDLE, PowerState.SLEEPING):
+                # A request came without the wake hook (or during the step): wake now.
+                self._wake(now, reason="arrival")
+        idle_for = now - self._last_activity_s
+        if self.state is PowerState.ACTIVE and not busy and idle_for >= self.policy.idle_after_s:
+            return self._park(now)
+        if self.state is PowerState.IDLE:
+            planner = self._planner
+            if planner is None:
+                raise PowerError("the power controller is not started")
+            since = now - (self._idle_since_s if self._idle_since_s is not None else now)
+            if planner.should_sleep(since + self.policy.idle_after_s):
+                return self._sleep(now)
+            return self._decide(now, changed=False, reason="idle")
+        if self.state is PowerState.SLEEPING:
+            return self._decide(now, changed=False, reason="sleeping")
+        if self.state is PowerState.WAKING:
+            self._set_state(PowerState.ACTIVE, now)
+        choice = governor.choose(load, self._cap)
+        self._active_key = choice.key
+        if choice.key != self._key:
+            result = self._apply(choice.key, now, reason=choice.reason)
+            return self._decide(now, changed=True, reason=choice.reason,
+                                predicted_s=choice.predicted_s, applied=result)
+        return self._decide(now, changed=False, reason=choice.reason,
+                            predicted_s=choice.predicted_s)
+
+    # -- states ------------------------------------------------------------------------------
+
+    def needs_wake(self) -> bool:
+        """Whether the batcher must call :meth:`wake` before dispatching a request: the clocks
+        are parked low (idle) or the board sleeps."""
+        return self._started and not self._stock and self.state in (
+            PowerState.IDLE, PowerState.SLEEPING)
+
+    def wake(self, reason: str = "request") -> None:
+        """Boost before the first request after idle or sleep is dispatched (the batcher's wake
+        hook; an MQTT wake command calls it too). One apply: fast."""
+        if not self.needs_wake():
+            return
+        started = time.perf_counter()
+        self._wake(self._clock(), reason=reason)
+        self.wake_call_ms.append((time.perf_counter() - started) * 1000.0)
+
+    def _wake(self, now_s: float, *, reason: str) -> None:
+        governor = self._require_governor()
+        if self.state is PowerState.SLEEPING:
+            self._set_state(PowerState.WAKING, now_s)
+            if self._engine_released and self._on_engine is not None:
+                self._on_engine(True)
+                self._engine_released = False
+        mode = self._mode_before_sleep
+        self._mode_before_sleep = None
+        planner = self._planner
+        if planner is not None and self._idle_since_s is not None:
+            planner.forecast.record(now_s - self._idle_since_s + self.policy.idle_after_s)
+        self._idle_since_s = None
+        key = self._boost_key()
+        self._apply(key, now_s, reason=f"wake ({reason})", nvpmodel_mode=mode)
+        governor.placed(key, now_s)
+        self._last_activity_s = now_s
+        self._woke_at_s = now_s
+        self._set_state(PowerState.ACTIVE, now_s)
+
+    def _boost_key(self) -> PointKey:
+        governor = self._require_governor()
+        key = self._active_key
+        if key is None or not governor.model.ready:
+            return governor.top
+        return key
+
+    def _park(self, now_s: float) -> Decision:
+        governor = self._require_governor()
+        self._set_state(PowerState.IDLE, now_s)
+        self._idle_since_s = now_s
+        key = governor.bottom
+        result = self._apply(key, now_s, reason="idle: lowest clocks", railgate=True)
+        governor.placed(key, now_s)
+        return self._decide(now_s, changed=True, reason="idle: lowest clocks", applied=result)
+
+    def _sleep(self, now_s: float) -> Decision:
+        governor = self._require_governor()
+        self._set_state(PowerState.SLEEPING, now_s)
+        if self.policy.sleep_nvpmodel_mode is not None:
+            # Leave the sleep mode for the one in force now, on wake.
+            self._mode_before_sleep = self.board.read_point().nvpmodel_mode
+        result = self._apply(governor.bottom, now_s, reason="sleep", railgate=True,
+                             nvpmodel_mode=self.policy.sleep_nvpmodel_mode)
+        if self.policy.release_engine_in_sleep and self._on_engine is not None:
+            self._on_engine(False)
+            self._engine_released = True
+        return self._decide(now_s, changed=True, reason="sleep", applied=result)
+
+    def _set_state(self, state: PowerState, now_s: float) -> None:
+        if state is self.state:
+            return
+        if state not in TRANSITIONS[self.state]:
+            raise PowerError("a power state change outside the transition table",
+                             state=self.state.value, wanted=state.value)
+        log.debug("power state %s -> %s at %.3f", self.state.value, state.value, now_s)
+        self.state = state
+
+    # -- board I/O ---------------------------------------------------------------------------
+
+    def _apply(self, key: PointKey, now_s: float, *, reason: str, railgate: bool | None = None,
+               nvpmodel_mode: int | None = None) -> ApplyResult:
+        point = point_for(key, railgate=railgate, nvpmodel_mode=nvpmodel_mode)
+        result = self.board.apply(point)
+        if not result.ok:
+            log.warning("applying %s (%s): %d limit(s) read back different: %s", point.to_json(),
+                        reason, len(result.mismatches),
+                        ", ".join(f"{m.path} wanted {m.wanted} found {m.found}"
+                                  for m in result.mismatches))
+        self._point = point
+        self._key = key
+        self._applies.append((now_s, key))
+        self.changes += 1
+        return result
+
+    def _key_of(self, completion: Completion) -> PointKey | None:
+        """The clocks that were in force for the whole batch, or ``None`` if they changed."""
+        start = completion.time_s - completion.compute_s
+        in_force: PointKey | None = None
+        for applied_s, key in self._applies:
+            if applied_s <= start - SETTLE_S:
+                in_force = key
+            elif applied_s <= completion.time_s:
+                return None
+        if in_force is None and not self._applies:
+            return None
+        return in_force
+
+    def _read_telemetry(self, now_s: float) -> None:
+        self._last_telemetry_s = now_s
+        try:
+            telemetry = self.board.telemetry()
+        except (OSError, PowerError) as exc:
+            log.warning("power telemetry unreadable: %s", exc)
+            return
+        self.telemetry = telemetry
+        guard = self._guard
+        if guard is not None:
+            self._cap = guard.update(telemetry)
+        governor = self._governor
+        if governor is not None and self._key is not None and telemetry.total_power_mw:
+            busy = telemetry.gpu_load if telemetry.gpu_load is not None else 0.0
+            governor.observe_power(self._key, telemetry.total_power_mw, busy)
+
+    def _note_wake_latency(self, completions: Sequence[Completion]) -> None:
+        woke = self._woke_at_s
+        if woke is None or not completions:
+            return
+        governor = self._require_governor()
+        for completion in completions:
+            if completion.time_s < woke:
+                continue
+            expected = governor.model.predict_s(self._boost_key(), completion.batch_size)
+            extra = completion.total_s - (expected if expected is not None else 0.0)
+            self.wake_ms.append(max(0.0, extra) * 1000.0)
+            self._woke_at_s = None
+            return
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def _decide(self, now_s: float, *, changed: bool, reason: str,
+                predicted_s: float | None = None, applied: ApplyResult | None = None
+                ) -> Decision:
+        decision = Decision(time_s=now_s, state=self.state,
+                            point=self._point if self._point is not None else OperatingPoint(),
+                            changed=changed, reason=reason, predicted_s=predicted_s,
+                            applied=applied)
+        self.decisions.append(decision)
+        return decision
+
+    def status(self) -> dict[str, Any]:
+        """What ``edge-agent power status`` and ``reported.power`` show (JSON-able)."""
+        governor = self._governor
+        cpu = sorted(self.step_cpu_s)
+        telemetry = self.telemetry
+        return {
+            "profile": self.policy.profile,
+            "state": self.state.value,
+            "point": None if self._point is None else self._point.to_json(),
+            "latency_target_ms": round(self.policy.latency_target_s * 1000, 3),
+            "arrival_rate_hz": None if governor is None else round(governor.arrival_rate_hz, 3),
+            "observed_p99_ms": None if governor is None or (
+                p99 := governor.observed_p99_s(10.0, self._clock())) is None
+            else round(p99 * 1000, 3),
+            "misses": 0 if governor is None else governor.misses,
+            "margin": None if governor is None else round(governor.margin(), 3),
+            "thermal_cap": None if self._cap is None or self._cap.gpu_max_hz is None else {
+                "gpu_max_hz": self._cap.gpu_max_hz, "cpu_max_khz": self._cap.cpu_max_khz},
+            "power_mw": None if telemetry is None else telemetry.total_power_mw,
+            "changes": self.changes,
+            "steps": self.steps,
+            "step_cpu_ms": None if not cpu else {
+                "mean": round(sum(cpu) / len(cpu) * 1000, 4),
+                "p99": round(cpu[min(len(cpu) - 1, int(0.99 * len(cpu)))] * 1000, 4)},
+            "wake_ms": None if not self.wake_ms else round(self.wake_ms[-1], 3),
+            "wake_call_ms": None if not self.wake_call_ms else round(self.wake_call_ms[-1], 3),
+            "decisions": [decision.to_json() for decision in list(self.decisions)[-8:]],
+        }
+
+    def _require_governor(self) -> Governor:
+        if self._governor is None:
+            raise PowerError("the power controller is not started")
+        return self._governor
+
+
+def check_policy(policy: PowerPolicy) -> None:
+    """Refuse a policy the controller cannot run, naming the field."""
+    if policy.profile not in PROFILES:
+        raise PowerError("unknown power profile", key="power.profile", found=policy.profile,
+                         expected=", ".join(PROFILES))
+    if not 0 < policy.latency_target_s < 60:
+        raise PowerError("the latency target must be between 0 and 60 s",
+                         key="power.latency_target_s", found=policy.latency_target_s)
+    if not 0.5 <= policy.percentile < 1:
+        raise PowerError("the latency percentile must be in [0.5, 1)", key="power.percentile",
+                         found=policy.percentile)
+    if policy.max_changes_per_s <= 0:
+        raise PowerError("max_changes_per_s must be positive", key="power.max_changes_per_s",
+                         found=policy.max_changes_per_s)
+    if policy.idle_after_s <= 0 or policy.sleep_after_s < 0:
+        raise PowerError("idle_after_s must be positive and sleep_after_s not negative",
+                         key="power.idle_after_s", found=policy.idle_after_s)
+
+
+__all__ = ["PROFILES", "Controller", "MemoryStore", "SnapshotStore", "check_policy"]

@@ -1,0 +1,399 @@
+"""The DVFS governor: the cheapest operating point that keeps the latency percentile on target.
+
+Inputs at each step: the serving path's load (arrival and completion counters, queue depth), the
+completions since the last step (their latencies, and the clocks they ran at), a thermal cap and
+the policy. Output: the operating point to hold, GPU and CPU pinned (min = max), EMC locked where
+the board allows it.
+
+How a point is chosen:
+
+* **Prediction.** :class:`~power.latency_model.LatencyModel` predicts a batch's compute time at
+  every candidate point (one table per EMC point). The P99 estimate is that time times a margin,
+  the recent high quantile of observed/predicted (heavy-tailed and clustered: never a Gaussian
+  sigma), plus the queueing delay the arrival rate implies at that point's capacity.
+* **Cost.** Candidates are ranked by an energy rate: the point's idle draw plus its busy extra
+  times the share of time it would be busy at the current arrival rate (a generic CMOS shape,
+  ``f * V(f)^2``; only the ranking matters). A power cap excludes points whose estimated draw,
+  scaled by what the board's telemetry measured, passes it.
+* **Hysteresis.** Up at once when the point in force no longer meets the target; down only after
+  a hold time, to a point that meets a tighter target (a band between the two), and only when it
+  is cheaper by a margin. Clock changes are rationed by a token bucket (at most
+  ``max_changes_per_s`` domain changes a second) so it cannot oscillate faster than that.
+* **Emergencies** skip the hold and the ration: a queue deeper than the point in force can drain
+  inside the target, or a request over the target (misses cluster, K26: the next one is likely to
+  miss too), send it to the top point for a while.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from power.latency_model import LatencyModel, PointKey
+from power.thermal_guard import ThermalCap
+from power.types import ClockTable, Completion, LoadSample, OperatingPoint, PowerPolicy
+
+CPU_LEVELS = 6  # CPU entries the governor chooses among (the table's ends and evenly between)
+TAIL_QUANTILE = 0.995  # of observed/predicted compute, for the margin
+MIN_MARGIN = 1.15
+UP_HEADROOM = 0.85  # going up: aim this far under the target, so one step is enough
+DOWN_BAND = 0.75  # going down: the new point must meet this share of the target
+DOWN_COST_GAIN = 0.97  # ... and cost at most this share of the point in force
+DOWN_HOLD_S = 1.5  # no move down sooner than this after any change
+DOWN_AFTER_UP_S = 3.0  # ... nor this soon after a move up
+MISS_HOLD_S = 2.0  # after a request over the target: stay at the top point this long
+MAX_UTILISATION = 0.80  # never plan a point busier than this at the current arrival rate
+PREDICTION_REFRESH_S = 0.5  # re-predict every candidate at most this often
+RATE_FAST_S = 0.3  # arrival-rate averages' time constants
+RATE_SLOW_S = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    key: PointKey
+    idle_mw: float  # rough draw of the clocks held, GPU on, nothing running
+    busy_extra_mw: float  # rough extra while a batch runs
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    key: PointKey
+    reason: str
+    predicted_s: float | None  # P99 estimate at ``key``
+    emergency: bool = False
+
+
+def _voltage(share: float) -> float:
+    """Relative voltage at a share of the clock range (a typical DVFS curve: 0.65..1)."""
+    return 0.65 + 0.35 * min(1.0, max(0.0, share))
+
+
+def _share(value: int, table: Sequence[int]) -> float:
+    return 0.0 if table[-1] == table[0] else (value - table[0]) / (table[-1] - table[0])
+
+
+def estimate_draw(key: PointKey, table: ClockTable, cpu_cores: int = 6) -> Candidate:
+    """A rough idle and busy-extra draw (mW) of ``key``: the ``f * V^2`` shape per domain with
+    magnitudes of an Orin-class module. Only the ranking between points matters."""
+    gpu_mhz = key.gpu_hz / 1e6
+    gpu_v = _voltage(_share(key.gpu_hz, table.gpu_hz))
+    cpu_mhz = key.cpu_khz / 1e3
+    cpu_v = _voltage(_share(key.cpu_khz, table.cpu_khz))
+    emc_mhz = (key.emc_hz or (table.emc_hz[-1] if table.emc_hz else 2133000000)) / 1e6
+    idle = (1000.0 * gpu_v + 2.5 * gpu_mhz * gpu_v ** 2
+            + cpu_cores * 0.1 * cpu_mhz * cpu_v ** 2 + 0.3 * emc_mhz)
+    busy = 6.0 * gpu_mhz * gpu_v ** 2 + 0.5 * cpu_mhz * cpu_v ** 2 + 0.6 * emc_mhz
+    return Candidate(key=key, idle_mw=idle, busy_extra_mw=busy)
+
+
+def cpu_levels(cpu_khz: Sequence[int], count: int = CPU_LEVELS) -> tuple[int, ...]:
+    """``count`` entries of the CPU table: both ends and evenly spaced (by index) between."""
+    if len(cpu_khz) <= count:
+        return tuple(cpu_khz)
+    last = len(cpu_khz) - 1
+    return tuple(sorted({cpu_khz[round(i * last / (count - 1))] for i in range(count)}))
+
+
+class _RateMeter:
+    """Arrival rate from the monotonic counter: fast and slow exponential averages."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, int] | None = None
+        self.fast_hz = 0.0
+        self.slow_hz = 0.0
+
+    def update(self, time_s: float, total: int) -> None:
+        if self._last is None:
+            self._last = (time_s, total)
+            return
+        last_s, last_total = self._last
+        span = time_s - last_s
+        if span <= 0:
+            return
+        rate = max(0, total - last_total) / span
+        self.fast_hz += (1 - math.exp(-span / RATE_FAST_S)) * (rate - self.fast_hz)
+        self.slow_hz += (1 - math.exp(-span / RATE_SLOW_S)) * (rate - self.slow_hz)
+        self._last = (time_s, total)
+
+    @property
+    def planning_hz(self) -> float:
+        # Up quickly on a burst, down slowly after one.
+        return max(self.fast_hz, self.slow_hz)
+
+
+class _ChangeRation:
+    """A token bucket of domain changes: ``rate_per_s`` tokens a second, ``rate_per_s`` at most."""
+
+    def __init__(self, rate_per_s: float) -> None:
+        self.rate_per_s = rate_per_s
+        self._tokens = rate_per_s
+        self._last_s: float | None = None
+
+    def refill(self, now_s: float) -> None:
+        if self._last_s is not None:
+            self._tokens = min(self.rate_per_s,
+                               self._tokens + (now_s - self._last_s) * self.rate_per_s)
+        self._last_s = now_s
+
+    def allows(self, changes: int) -> bool:
+        return self._tokens >= changes
+
+    def spend(self, changes: int) -> None:
+        self._tokens -= changes  # an emergency may overdraw: it is paid back before the next
+
+
+def changed_domains(old: PointKey | None, new: PointKey) -> int:
+    if old is None:
+        return 3
+    return ((old.gpu_hz != new.gpu_hz) + (old.cpu_khz != new.cpu_khz)
+            + (old.emc_hz != new.emc_hz))
+
+
+class Governor:
+    """Chooses the operating point from the load, the completions and the policy.
+
+    Args:
+        table: the board's clocks (cached: the governor never reads the board).
+        policy: what to aim for.
+    """
+
+    def __init__(self, table: ClockTable, policy: PowerPolicy) -> None:
+        self.table = table
+        self.policy = policy
+        self.model = LatencyModel(gpu_ref_hz=table.gpu_hz[-1], cpu_ref_khz=table.cpu_khz[-1])
+        emc_points: tuple[int, ...] = table.emc_hz or (0,)
+        self.candidates = [estimate_draw(PointKey(gpu_hz=gpu, cpu_khz=cpu, emc_hz=emc), table)
+                           for emc in emc_points for gpu in table.gpu_hz
+                           for cpu in cpu_levels(table.cpu_khz)]
+        self.top = PointKey(gpu_hz=table.gpu_hz[-1], cpu_khz=table.cpu_khz[-1],
+                            emc_hz=emc_points[-1])
+        self.bottom = PointKey(gpu_hz=table.gpu_hz[0], cpu_khz=table.cpu_khz[0],
+                               emc_hz=emc_points[0])
+        self._draw = {candidate.key: candidate for candidate in self.candidates}
+        self._rate = _RateMeter()
+        self._ration = _ChangeRation(policy.max_changes_per_s)
+        self._batch_avg = 1.0
+        self._predicted: list[float] | None = None  # per candidate, single request
+        self._predicted_version = -1
+        self._predicted_at_s = -math.inf
+        self._last_change_s = -math.inf
+        self._last_up_s = -math.inf
+        self._last_miss_s = -math.inf
+        self._power_scale = 1.0  # measured / estimated draw
+        self.recent: deque[tuple[float, float]] = deque(maxlen=400)  # (time, total_s)
+        self.misses = 0
+        self.current: PointKey | None = None
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def set_policy(self, policy: PowerPolicy) -> None:
+        self.policy = policy
+        self._ration.rate_per_s = policy.max_changes_per_s
+
+    def observe(self, load: LoadSample, completions: Sequence[Completion],
+                key_of: Callable[[Completion], PointKey | None]) -> None:
+        """Learn from one step's completions; ``key_of`` names the clocks a completion's whole
+        batch ran at (``None``: they changed during it)."""
+        self._rate.update(load.time_s, load.arrivals_total)
+        target = self.policy.latency_target_s
+        for completion in completions:
+            self.recent.append((completion.time_s, completion.total_s))
+            if completion.total_s > target:
+                self.misses += 1
+                self._last_miss_s = completion.time_s
+            self._batch_avg += 0.05 * (completion.batch_size - self._batch_avg)
+            if not completion.ok:
+                continue
+            key = key_of(completion)
+            if key is not None:
+                self.model.observe(key, completion.compute_s, completion.batch_size)
+
+    def observe_power(self, key: PointKey, measured_mw: float, busy_share: float) -> None:
+        """A telemetry reading at ``key``: corrects the draw estimates' scale (for the cap)."""
+        draw = self._draw.get(key)
+        if draw is None or measured_mw <= 0:
+            return
+        estimate = draw.idle_mw + busy_share * draw.busy_extra_mw
+        self._power_scale += 0.2 * (measured_mw / estimate - self._power_scale)
+
+    # -- prediction ---------------------------------------------------------------------------
+
+    def _refresh(self, now_s: float, force: bool = False) -> list[float] | None:
+        model = self.model
+        if not model.ready:
+            return None
+        stale = model.version != self._predicted_version
+        if self._predicted is None or (stale and (
+                force or now_s - self._predicted_at_s >= PREDICTION_REFRESH_S)):
+            predicted = []
+            for candidate in self.candidates:
+                value = model.predict_s(candidate.key)
+                predicted.append(value if value is not None else math.inf)
+            self._predicted = predicted
+            self._predicted_version = model.version
+            self._predicted_at_s = now_s
+        return self._predicted
+
+    def _p99(self, single_s: float, rate_hz: float, margin: float) -> tuple[float, float]:
+        """(P99 estimate, busy share) of a point whose single request takes ``single_s``."""
+        batch = max(1.0, self._batch_avg)
+        batch_s = single_s * self.model.batch_factor(round(batch))
+        busy = rate_hz * batch_s / batch
+        if busy >= MAX_UTILISATION:
+            return math.inf, busy
+        # A request may wait for the batch in progress, and for a queue at this utilisation
+        # (an M/D/1-like factor; the margin covers the rest).
+        wait = batch_s * (busy + 1.5 * busy / (1.0 - busy))
+        return margin * batch_s + wait, busy
+
+    def predict_p99_s(self, key: PointKey, rate_hz: float | None = None) -> float | None:
+        single = self.model.predict_s(key)
+        if single is None:
+            return None
+        rate = self._rate.planning_hz if rate_hz is None else rate_hz
+        return self._p99(single, rate, self.margin())[0]
+
+    def margin(self) -> float:
+        return max(MIN_MARGIN, self.model.tail_ratio(TAIL_QUANTILE))
+
+    @property
+    def arrival_rate_hz(self) -> float:
+        return self._rate.planning_hz
+
+    # -- the choice ---------------------------------------------------------------------------
+
+    def _allowed(self, key: PointKey, cap: ThermalCap | None) -> bool:
+        if cap is not None:
+            if cap.gpu_max_hz is not None and key.gpu_hz > cap.gpu_max_hz:
+                return False
+            if cap.cpu_max_khz is not None and key.cpu_khz > cap.cpu_max_khz:
+                return False
+        return True
+
+    def _capped_top(self, cap: ThermalCap | None) -> PointKey:
+        if cap is None or (cap.gpu_max_hz is None and cap.cpu_max_khz is None):
+            return self.top
+        gpu = max((hz for hz in self.table.gpu_hz if cap.gpu_max_hz is None
+                   or hz <= cap.gpu_max_hz), default=self.table.gpu_hz[0])
+        cpu = max((khz for khz in self.table.cpu_khz if cap.cpu_max_khz is None
+                   or khz <= cap.cpu_max_khz), default=self.table.cpu_khz[0])
+        return PointKey(gpu_hz=gpu, cpu_khz=cpu, emc_hz=self.top.emc_hz)
+
+    def best(self, now_s: float, share_of_target: float, cap: ThermalCap | None = None
+             ) -> tuple[PointKey, float] | None:
+        """The cheapest allowed candidate whose P99 estimate is within ``share_of_target`` of
+        the target, with that estimate; ``None`` when none is (or nothing is learned yet)."""
+        predicted = self._refresh(now_s)
+        if predicted is None:
+            return None
+        rate = self._rate.planning_hz
+        margin = self.margin()
+        limit = self.policy.latency_target_s * share_of_target
+        power_cap = self.policy.power_cap_mw
+        best: tuple[float, PointKey, float] | None = None
+        for candidate, single in zip(self.candidates, predicted):
+            p99, busy = self._p99(single, rate, margin)
+            if p99 > limit or not self._allowed(candidate.key, cap):
+                continue
+            cost = candidate.idle_mw + min(1.0, busy) * candidate.busy_extra_mw
+            if power_cap is not None and cost * self._power_scale > power_cap:
+                continue
+            if best is None or cost < best[0]:
+                best = (cost, candidate.key, p99)
+        return None if best is None else (best[1], best[2])
+
+    def cost(self, key: PointKey) -> float:
+        draw = self._draw.get(key) or estimate_draw(key, self.table)
+        single = self.model.predict_s(key)
+        busy = 0.0 if single is None else min(1.0, self._rate.planning_hz * single)
+        return draw.idle_mw + busy * draw.busy_extra_mw
+
+    def _drain_s(self, key: PointKey, queue_depth: int) -> float | None:
+        single = self.model.predict_s(key)
+        if single is None:
+            return None
+        batch = max(1.0, self._batch_avg)
+        per_request = single * self.model.batch_factor(round(batch)) / batch
+        return (queue_depth + 1) * per_request * self.margin()
+
+    def choose(self, load: LoadSample, cap: ThermalCap | None = None) -> Choice:
+        """The point to hold from now (the point in force is :attr:`current`)."""
+        now = load.time_s
+        self._ration.refill(now)
+        target = self.policy.latency_target_s
+        current = self.current
+        top = self._capped_top(cap)
+        if not self.model.ready:
+            return self._go(Choice(key=top, reason="learning", predicted_s=None), now)
+        # Emergencies first: a queue the point in force cannot drain inside the target, or a
+        # fresh miss (clustered: the next is likely to miss too).
+        if current is not None and load.queue_depth > 0:
+            drain = self._drain_s(current, load.queue_depth)
+            if drain is not None and drain > target * UP_HEADROOM and current != top:
+                return self._go(Choice(key=top, reason="queue emergency", predicted_s=drain,
+                                       emergency=True), now)
+        if now - self._last_miss_s < MISS_HOLD_S:
+            reason = "over target" if current != top else "holding after a miss"
+            return self._go(Choice(key=top, reason=reason, predicted_s=None,
+                                   emergency=current != top), now)
+        current_p99 = None if current is None else self.predict_p99_s(current)
+        if current is None or current_p99 is None or current_p99 > target \
+                or not self._allowed(current, cap):
+            found = self.best(now, UP_HEADROOM, cap)
+            key, p99 = found if found is not None else (top, None)
+            reason = "thermal cap" if current is not None and not self._allowed(current, cap) \
+                else "over target"
+            return self._go(Choice(key=key, reason=reason, predicted_s=p99), now)
+        # The point in force meets the target: move down only with slack, after a hold.
+        if (now - self._last_change_s >= DOWN_HOLD_S
+                and now - self._last_up_s >= DOWN_AFTER_UP_S):
+            found = self.best(now, DOWN_BAND, cap)
+            if found is not None and found[0] != current \
+                    and self.cost(found[0]) < DOWN_COST_GAIN * self.cost(current):
+                return self._go(Choice(key=found[0], reason="slack", predicted_s=found[1]), now)
+        return Choice(key=current, reason="steady", predicted_s=current_p99)
+
+    def _go(self, choice: Choice, now_s: float) -> Choice:
+        """Take ``choice`` if the ration allows (emergencies always), else stay."""
+        current = self.current
+        if choice.key == current:
+            return choice
+        changes = changed_domains(current, choice.key)
+        if not choice.emergency and current is not None and not self._ration.allows(changes):
+            return Choice(key=current, reason=f"{choice.reason} (rationed)",
+                          predicted_s=None)
+        self._ration.spend(changes)
+        going_up = current is None or self.cost(choice.key) > self.cost(current)
+        self._last_change_s = now_s
+        if going_up:
+            self._last_up_s = now_s
+        self.current = choice.key
+        return choice
+
+    def placed(self, key: PointKey, now_s: float) -> None:
+        """The controller put ``key`` in force by itself (a park, a wake boost)."""
+        if key != self.current:
+            self._ration.refill(now_s)
+            self._ration.spend(changed_domains(self.current, key))
+            self._last_change_s = now_s
+        self.current = key
+
+    def observed_p99_s(self, window_s: float, now_s: float) -> float | None:
+        values = sorted(total for time_s, total in self.recent if now_s - time_s <= window_s)
+        if not values:
+            return None
+        return values[min(len(values) - 1, int(0.99 * len(values)))]
+
+
+def point_for(key: PointKey, *, railgate: bool | None = None, nvpmodel_mode: int | None = None
+              ) -> OperatingPoint:
+    """The operating point that pins ``key``'s clocks (EMC 0: left unlocked)."""
+    return OperatingPoint(gpu_min_hz=key.gpu_hz, gpu_max_hz=key.gpu_hz, cpu_min_khz=key.cpu_khz,
+                          cpu_max_khz=key.cpu_khz, emc_hz=key.emc_hz or None,
+                          gpu_railgate=railgate, nvpmodel_mode=nvpmodel_mode)
+
+
+__all__ = ["Candidate", "Choice", "Governor", "changed_domains", "cpu_levels", "estimate_draw",
+           "point_for"]

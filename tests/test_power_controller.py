@@ -1,0 +1,169 @@
+"""The power controller over a strict board double: snapshot and restore (also after a crash),
+profiles, the power states, the wake hook, telemetry cadence and the status document."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.errors import PowerError
+from power.controller import Controller, MemoryStore
+from power.types import TRANSITIONS, LoadSample, PowerPolicy, PowerState
+from tests.power_doubles import FakeClock, StrictBoard, serve
+
+
+def load(clock: FakeClock, *, arrivals: int = 0, queue: int = 0, busy: int = 0) -> LoadSample:
+    return LoadSample(time_s=clock.now_s, queue_depth=queue, busy_instances=busy, instances=1,
+                      arrivals_total=arrivals, completed_total=0)
+
+
+def started(policy: PowerPolicy | None = None, **board_options: object
+            ) -> tuple[Controller, StrictBoard, FakeClock, MemoryStore]:
+    clock = FakeClock()
+    board = StrictBoard(clock=clock, **board_options)  # type: ignore[arg-type]
+    store = MemoryStore()
+    controller = Controller(board, policy or PowerPolicy(), clock=clock, saved=store)
+    controller.start()
+    return controller, board, clock, store
+
+
+def test_start_saves_the_original_limits_and_stop_puts_them_back() -> None:
+    controller, board, _, store = started()
+    original = board.original
+    assert store.snapshot == {"point": original.to_json(), "emc_locked": False}
+    assert board.point != original  # the governed profile pinned the clocks
+    controller.stop()
+    assert board.point == original
+    assert store.snapshot is None
+    assert controller.stop() is None  # a second stop writes nothing
+    assert len(board.restores) == 1
+
+
+def test_a_snapshot_left_by_a_crash_is_restored_at_start_and_kept_as_the_original() -> None:
+    clock = FakeClock()
+    board = StrictBoard(clock=clock)
+    crashed = {"point": board.original.to_json(), "emc_locked": False}
+    # The crashed run left its own pinned clocks on the board.
+    board.apply(board.original.__class__(gpu_min_hz=1020000000, gpu_max_hz=1020000000))
+    store = MemoryStore(crashed)
+    controller = Controller(board, PowerPolicy(), clock=clock, saved=store)
+    controller.start()
+    assert board.restores == [crashed]
+    assert store.snapshot == crashed  # still saved: this run may crash too
+    controller.stop()
+    assert board.point == board.original
+
+
+def test_profiles_pin_the_top_or_bottom_point_or_hand_back_to_the_board() -> None:
+    controller, board, clock, _ = started(PowerPolicy(profile="max"))
+    assert (board.point.gpu_min_hz, board.point.gpu_max_hz) == (1020000000, 1020000000)
+    assert board.point.emc_hz == 3199000000
+    controller.set_policy(PowerPolicy(profile="min"))
+    assert (board.point.gpu_max_hz, board.point.cpu_max_khz, board.point.emc_hz) == (
+        306000000, 115200, 204000000)
+    controller.set_policy(PowerPolicy(profile="stock"))
+    assert board.point == board.original
+    writes = len(board.writes)
+    for _ in range(40):
+        clock.advance(0.05)
+        controller.step(load(clock, arrivals=1, busy=1))
+    assert len(board.writes) == writes  # stock: nothing written while stepping
+    assert not controller.needs_wake()
+
+
+def test_unknown_profile_and_bad_target_are_refused_naming_the_key() -> None:
+    clock = FakeClock()
+    with pytest.raises(PowerError, match="unknown power profile") as caught:
+        Controller(StrictBoard(), PowerPolicy(profile="turbo"), clock=clock)
+    assert caught.value.fields["key"] == "power.profile"
+    with pytest.raises(PowerError) as caught:
+        Controller(StrictBoard(), PowerPolicy(latency_target_s=0.0), clock=clock)
+    assert caught.value.fields["key"] == "power.latency_target_s"
+
+
+def test_step_before_start_is_an_error() -> None:
+    clock = FakeClock()
+    controller = Controller(StrictBoard(), PowerPolicy(), clock=clock)
+    with pytest.raises(PowerError, match="before start"):
+        controller.step(load(clock))
+
+
+def test_idle_parks_the_clocks_and_the_wake_hook_boosts_before_dispatch() -> None:
+    policy = PowerPolicy(idle_after_s=0.5, sleep_after_s=100.0)
+    controller, board, clock, _ = started(policy)
+    arrivals = [clock.now_s + 0.1 + 0.05 * i for i in range(40)]
+    result = serve(controller, board, clock, arrivals, until_s=clock.now_s + 3.0)
+    active_point = next(point for _, point in reversed(result.points))
+    # Idle: the lowest clocks and rail-gating allowed.
+    assert controller.state is PowerState.IDLE
+    assert (board.point.gpu_max_hz, board.point.cpu_max_khz, board.point.emc_hz) == (
+        306000000, 115200, 204000000)
+    assert board.point.gpu_railgate is True
+    assert controller.needs_wake()
+    controller.wake()
+    assert controller.state is PowerState.ACTIVE
+    # Back to the point the governor held while requests came (not the parked one).
+    assert (board.point.gpu_max_hz, board.point.cpu_max_khz, board.point.emc_hz) == (
+        active_point.gpu_max_hz, active_point.cpu_max_khz, active_point.emc_hz)
+    assert not controller.needs_wake()
+    assert controller.wake_call_ms and controller.wake_call_ms[-1] < 5.0
+
+
+def test_an_arrival_without_the_hook_wakes_at_the_next_step() -> None:
+    controller, board, clock, _ = started(PowerPolicy(idle_after_s=0.2))
+    for _ in range(10):
+        clock.advance(0.05)
+        controller.step(load(clock))
+    assert controller.state is PowerState.IDLE
+    clock.advance(0.05)
+    decision = controller.step(load(clock, arrivals=1, queue=1))
+    assert decision.state is PowerState.ACTIVE
+    assert board.point.gpu_max_hz == 1020000000  # nothing learned yet: the top point
+
+
+def test_telemetry_is_read_at_its_own_cadence_not_every_step() -> None:
+    controller, board, clock, _ = started()
+    for _ in range(100):  # 5 s of steps
+        clock.advance(0.05)
+        controller.step(load(clock, arrivals=0, busy=1))
+    assert 4 <= board.telemetry_reads <= 6
+
+
+def test_thermal_margin_caps_the_gpu_and_lifts_the_cap_with_hysteresis() -> None:
+    policy = PowerPolicy(thermal_margin_c=5.0)
+    controller, board, clock, _ = started(policy, temp_c=92.0)  # 3 C under the 95 C trip
+    arrivals = [clock.now_s + 0.02 * i for i in range(1, 400)]
+    serve(controller, board, clock, arrivals, until_s=clock.now_s + 4.0)
+    assert board.point.gpu_max_hz is not None and board.point.gpu_max_hz < 1020000000
+    capped = board.point.gpu_max_hz
+    board.temp_c = 60.0
+    serve(controller, board, clock, [clock.now_s + 0.02 * i for i in range(1, 400)],
+          until_s=clock.now_s + 8.0)
+    assert controller.status()["thermal_cap"] is None
+    assert board.point.gpu_max_hz is not None and board.point.gpu_max_hz >= capped
+
+
+def test_status_is_json_and_names_state_point_decisions_and_step_cost() -> None:
+    controller, board, clock, _ = started()
+    serve(controller, board, clock, [clock.now_s + 0.1 * i for i in range(1, 20)],
+          until_s=clock.now_s + 2.0)
+    status = json.loads(json.dumps(controller.status()))
+    assert status["state"] in {state.value for state in PowerState}
+    assert status["point"]["gpu_max_hz"] in board.table.gpu_hz
+    assert status["decisions"] and status["step_cpu_ms"]["mean"] >= 0
+    assert status["steps"] == controller.steps > 0
+
+
+def test_every_state_change_follows_the_transition_table() -> None:
+    controller, board, clock, _ = started(PowerPolicy(idle_after_s=0.3, sleep_after_s=1.0))
+    seen = [controller.state]
+    arrivals = [clock.now_s + 0.1] + [clock.now_s + 5.0 + 0.05 * i for i in range(10)]
+    result = serve(controller, board, clock, arrivals, until_s=clock.now_s + 8.0)
+    for decision in result.decisions:
+        if decision.state is not seen[-1]:
+            seen.append(decision.state)
+    for before, after in zip(seen, seen[1:]):
+        assert after in TRANSITIONS[before] or (before, after) == (
+            PowerState.SLEEPING, PowerState.ACTIVE)  # through WAKING inside one wake()
+    assert PowerState.SLEEPING in seen and PowerState.IDLE in seen
