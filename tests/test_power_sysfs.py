@@ -3,17 +3,19 @@ detection, discovery of each group's files, units as the kernel writes them."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from agent.errors import PowerError
+from agent.errors import MissingDependencyError, PowerError
 from power.board import Board, jetpack_of, parse_release
 from power.profiles import ALIASES, PROFILES, identify, profile
 from power.sim.kernel import FakeKernel
 from power.sim.tree import write_tree
 from power.sysfs.discover import discover, read_device_tree
 from power.sysfs.thermal import zone_name
+from power.telemetry import JtopTelemetry, SysfsTelemetry, open_telemetry
 from tests.power_boards import BOARD_RELEASES, board_ids, fake_board
 
 
@@ -166,3 +168,101 @@ def test_fan_reads_pwm_and_rpm(tmp_path: Path) -> None:
     tree = fake_board(tmp_path)
     board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
     assert board.fan.pwm() == 62 and board.fan.rpm() == 1636
+
+
+# -- telemetry through jtop (jetson-stats), which must never be depended on -----------------
+
+class JtopException(Exception):
+    """jtop's own error type (raised when its service is not active)."""
+
+
+class FakeJtop:
+    """jtop's client as jetson-stats 4 shapes it: start() connects to the root service (raising
+    JtopException when it is not running), ok() is False once the service went away."""
+
+    service_running = True
+
+    def __init__(self) -> None:
+        self.started = self.closed = False
+        self.alive = True
+        self.power: dict[str, object] = {
+            "rail": {"VDD_IN": {"volt": 5000, "curr": 1500, "power": 7500, "online": True},
+                     "VDD_SOC": {"volt": 5000, "curr": 300, "power": 1500, "online": True}},
+            "tot": {"power": 7500, "name": "VDD_IN"}}
+        self.temperature = {"cpu": {"temp": 51.5, "online": True},
+                            "cv0": {"temp": -256.0, "online": False},
+                            "tj": {"temp": 53.0, "online": True}}
+        self.memory = {"EMC": {"cur": 2133000, "max": 3199000, "online": True}}
+
+    def start(self) -> None:
+        if not self.service_running:
+            raise JtopException("The jtop.service is not active. Please run:\n"
+                                "sudo systemctl restart jtop.service")
+        self.started = True
+
+    def ok(self) -> bool:
+        if not self.alive:
+            raise JtopException("jtop.service crashed")
+        return self.started
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake_jtop_module(monkeypatch: pytest.MonkeyPatch) -> type[FakeJtop]:
+    import types
+
+    module = types.ModuleType("jtop")
+    module.jtop = FakeJtop  # type: ignore[attr-defined]
+    module.JtopException = JtopException  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "jtop", module)
+    FakeJtop.service_running = True
+    return FakeJtop
+
+
+def test_jtop_supplies_rails_temperatures_and_emc_and_sysfs_the_clocks(
+        tmp_path: Path, fake_jtop_module: type[FakeJtop]) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
+    tree.set(f"{tree.gpu_freq_dir}/cur_freq", 714000000)
+    source = open_telemetry(board, "auto")
+    assert isinstance(source, JtopTelemetry)
+    reading = source.read()
+    assert reading.source == "jtop" and reading.gpu_freq_hz == 714000000
+    assert reading.rails_mw == {"VDD_IN": 7500, "VDD_SOC": 1500}
+    assert reading.total_power_mw == 7500 and reading.emc_hz == 2133000000
+    zones = {zone.name: zone for zone in reading.thermal}
+    assert zones["cpu"].temp_c == 51.5 and zones["cv0"].temp_c is None
+    assert zones["tj"].trips_c == (("passive", 99.0), ("critical", 104.5))  # from sysfs
+
+
+def test_a_jtop_that_crashes_mid_run_falls_back_to_sysfs_for_good(
+        tmp_path: Path, fake_jtop_module: type[FakeJtop]) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
+    source = open_telemetry(board, "jtop")
+    assert isinstance(source, JtopTelemetry)
+    source.jetson.alive = False
+    reading = source.read()
+    assert reading.source == "sysfs" and reading.rails_mw["VDD_IN"] == 4801
+    assert source.failed == "jtop.service crashed" and source.jetson.closed
+    source.jetson.alive = True  # never goes back to a service that crashed once
+    assert source.read().source == "sysfs"
+
+
+def test_without_jtop_or_its_service_auto_uses_sysfs_and_jtop_says_why(
+        tmp_path: Path, fake_jtop_module: type[FakeJtop], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
+    FakeJtop.service_running = False
+    assert isinstance(open_telemetry(board, "auto"), SysfsTelemetry)
+    with pytest.raises(PowerError, match="jtop service cannot be used"):
+        open_telemetry(board, "jtop")
+    monkeypatch.setitem(sys.modules, "jtop", None)  # not installed: import fails
+    assert open_telemetry(board, "auto").read().source == "sysfs"
+    with pytest.raises(MissingDependencyError, match=r"jetson-edge-agent\[jetson\]"):
+        open_telemetry(board, "jtop")
+    with pytest.raises(PowerError, match="unknown telemetry source"):
+        open_telemetry(board, "tegrastats")
