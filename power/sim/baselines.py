@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from power.io import FileWriter
+from power.io import FileWriter, Writer
 from power.sim.board import SimBoard
 from power.types import Completion, LoadSample
 
@@ -24,9 +24,9 @@ class MaxClocks:
 
     name = "max"
 
-    def __init__(self, board: SimBoard) -> None:
+    def __init__(self, board: SimBoard, writer: Writer | None = None) -> None:
         self._board = board
-        self._writer = FileWriter(board.root)
+        self._writer: Writer = writer if writer is not None else FileWriter(board.root)
 
     def start(self, now_s: float) -> None:
         board = self._board

@@ -282,7 +282,16 @@ class SimBoard:
         for index, domain in enumerate(self.cpus):
             domain.request(self.now_s, self._cpu_wanted(index, None))
         self.emc.request(self.now_s, self._controls.emc_hz)
+        self._show_clocks()
         self._online = [self._online_cores(policy.path) for policy in self.paths.cpu]
+
+    def _show_clocks(self) -> None:
+        """The clocks in force into their files. The fake kernel moves ``cur_freq`` into new
+        limits the moment they are written; the hardware takes the actuation delay, so the
+        simulator puts back what is really in force (forced: another writer touched them)."""
+        self._write(f"{self.gpu_paths.freq_dir}/cur_freq", self.gpu.current, force=True)
+        for policy, domain in zip(self.paths.cpu, self.cpus):
+            self._write(f"{policy.path}/scaling_cur_freq", domain.current, force=True)
 
     # -- activity ----------------------------------------------------------------------------
 
@@ -295,7 +304,7 @@ class SimBoard:
             wait_s = self.physics.unrailgate_s
             status = f"{self.gpu_paths.device_dir}/power/runtime_status"
             if os.path.exists(self.root / status):
-                self._write(status, "active")
+                self._write(status, "active", force=True)
         self.gpu_busy = True
         self.serving_cpu_share = cpu_share
         return wait_s
@@ -397,7 +406,7 @@ class SimBoard:
             self.gpu_on = False
             status = self.gpu_paths.device_dir + "/power/runtime_status"
             if os.path.exists(self.root / status):
-                self._write(status, "suspended")
+                self._write(status, "suspended", force=True)
         if self._next_podgov_s <= now + 1e-12:
             self._podgov_sample()
             self._next_podgov_s = now + self.podgov.tunables.poll_s
@@ -405,7 +414,7 @@ class SimBoard:
             self._schedutil_tick()
             self._next_cpu_tick_s = now + CPU_TICK_S
         if self.gpu.current != gpu_before:
-            self._write(f"{self.gpu_paths.freq_dir}/cur_freq", self.gpu.current)
+            self._write(f"{self.gpu_paths.freq_dir}/cur_freq", self.gpu.current, force=True)
 
     def _podgov_sample(self) -> None:
         window = self._podgov_window
@@ -441,14 +450,12 @@ class SimBoard:
         avg_mw = window.energy_mj / span if span > 0 else self.power_now_mw()
         load = window.gpu_busy_s / span if span > 0 else (1.0 if self.gpu_busy else 0.0)
         gpu = self.gpu_paths
-        self._write(f"{gpu.freq_dir}/cur_freq", self.gpu.current)
+        self._show_clocks()
         if os.path.exists(self.root / gpu.device_dir / "load"):
             self._write(f"{gpu.device_dir}/load", int(round(1000 * min(1.0, load))))
         status = f"{gpu.device_dir}/power/runtime_status"
         if os.path.exists(self.root / status):
-            self._write(status, "active" if self.gpu_on else "suspended")
-        for policy, domain in zip(self.paths.cpu, self.cpus):
-            self._write(f"{policy.path}/scaling_cur_freq", domain.current)
+            self._write(status, "active" if self.gpu_on else "suspended", force=True)
         emc = self.paths.emc
         if emc is not None and self._read(f"{emc.path}/mrq_rate_locked") != "1":
             # The board layer writes this file too (a request, when it locks EMC): never cached.

@@ -22,6 +22,7 @@ from agent.tooling.powerbench.strategies import OurGovernor, ours_available
 from power.profiles import profile
 from power.sim.baselines import MaxClocks, StockGovernors
 from power.sim.board import SimBoard, TimelinePoint
+from power.sim.kernel import FakeKernel
 from power.sim.physics import LatencyNoise, compute_s, physics_for
 from power.sim.serving import ServingConfig, ServingResult, Strategy, run_serving
 from power.sim.traces import Trace, bursty, daily, periodic, saturated
@@ -82,8 +83,8 @@ def near_saturation_rps(options: PowerBenchOptions) -> float:
     """The Poisson rate at which max clocks' P99 is ``saturation_p99_share`` of the target."""
     low, high = 0.05, 1.0  # shares of the batched capacity at max clocks
     capacity = capacity_rps(options)
-    duration_s = 8.0 if options.quick else 15.0
-    for _ in range(6 if options.quick else 8):
+    duration_s = 5.0 if options.quick else 15.0
+    for _ in range(5 if options.quick else 8):
         share = (low + high) / 2
         trace = saturated(duration_s=duration_s, rate_hz=share * capacity, seed=options.seed)
         figures = trace_figures(run_one(trace, "max", options, record_timeline=False),
@@ -107,15 +108,15 @@ def make_traces(options: PowerBenchOptions) -> list[Trace]:
     ]
 
 
-def _strategy(name: str, board: SimBoard, options: PowerBenchOptions, state_dir: Path
+def _strategy(name: str, board: SimBoard, options: PowerBenchOptions, writer: FakeKernel
               ) -> Strategy:
     if name == "max":
-        return MaxClocks(board)
+        return MaxClocks(board, writer)
     if name == "stock":
         return StockGovernors()
     policy = PowerPolicy(latency_target_s=options.latency_target_s,
                          max_changes_per_s=5.0)
-    return OurGovernor(board, policy, state_dir)
+    return OurGovernor(board, policy, writer)
 
 
 def run_one(trace: Trace, strategy_name: str, options: PowerBenchOptions, *,
@@ -125,12 +126,10 @@ def run_one(trace: Trace, strategy_name: str, options: PowerBenchOptions, *,
     with tempfile.TemporaryDirectory(prefix="powerbench-") as work:
         root = Path(work) / "board"
         root.mkdir()
-        state_dir = Path(work) / "state"
-        state_dir.mkdir()
         write_tree(root, board_profile, options.jetpack, mode_id=mode_id)
         board = SimBoard(root=root, physics=physics_for(board_profile.name),
                          record_timeline=True)
-        strategy = _strategy(strategy_name, board, options, state_dir)
+        strategy = _strategy(strategy_name, board, options, FakeKernel(root, options.jetpack))
         noise = LatencyNoise(board.physics, seed=options.seed * 7919 + TRACES.index(trace.name))
         config = ServingConfig(max_batch=options.max_batch, step_period_s=options.step_period_s)
         result = run_serving(board, trace, strategy, config=config, noise=noise)
