@@ -22,6 +22,7 @@ from pathlib import Path
 
 from agent.errors import PowerError
 from power.sim.cpugov import Schedutil
+from power.sim.kernel import FakeKernel
 from power.sim.physics import BoardPhysics, PowerInputs, power_mw, temperature_after_c
 from power.sim.podgov import Podgov
 from power.sysfs.discover import BoardPaths, discover
@@ -98,12 +99,18 @@ class SimBoard:
         root: the fake tree (``power/sim/tree.py``'s output).
         physics: the board's calibrated physics (:func:`power.sim.physics.physics_for`).
         record_timeline: keep a :class:`TimelinePoint` per :meth:`publish` (for the plot).
+        kernel: the :class:`~power.sim.kernel.FakeKernel` every write into the tree goes through,
+            if one does (then :meth:`sync` re-reads only after a write).
     """
 
-    def __init__(self, *, root: Path, physics: BoardPhysics, record_timeline: bool = False
-                 ) -> None:
+    def __init__(self, *, root: Path, physics: BoardPhysics, record_timeline: bool = False,
+                 kernel: FakeKernel | None = None) -> None:
         self.root = Path(root)
         self.physics = physics
+        # When every write into the tree goes through this fake kernel, a sync with nothing new
+        # in its log has nothing to re-read (the files are only re-read when written).
+        self.kernel = kernel
+        self._kernel_writes = -1
         self._written: dict[str, str] = {}  # what this board last wrote, by path
         self.paths: BoardPaths = discover(self.root)
         if self.paths.gpu is None or not self.paths.cpu:
@@ -125,6 +132,7 @@ class SimBoard:
         self.podgov = Podgov()
         self.schedutils = [Schedutil() for _ in self.paths.cpu]
         self._online = [self._online_cores(policy.path) for policy in self.paths.cpu]
+        self._online_list = self._read("sys/devices/system/cpu/online")
         self.gpu_on = True
         self.gpu_busy = False
         self.serving_cpu_share = 0.0  # of one core of the first policy, while a batch runs
@@ -156,11 +164,11 @@ class SimBoard:
         except ValueError:
             return default
 
-    def _write(self, relpath: str, value: object, *, force: bool = False) -> None:
+    def _write(self, relpath: str, value: object) -> None:
         # The kernel's side of the file: what a read shows. Written in place (never replaced), so
         # a mode the tree gave a file stays; skipped when it already shows that value.
         text = f"{value}\n"
-        if not force and self._written.get(relpath) == text:
+        if self._written.get(relpath) == text:
             return
         with open(self.root / relpath, "w") as handle:
             handle.write(text)
@@ -277,21 +285,31 @@ class SimBoard:
         """Re-read the limits the board layer may have written and request the clocks they
         imply (in force after each domain's delay). The governors' samples between two syncs use
         the limits read here, as the kernel's would use the values last written."""
+        if self.kernel is not None:
+            if len(self.kernel.log) == self._kernel_writes:
+                return
+            self._kernel_writes = len(self.kernel.log)
+        # Another writer may have changed files this board last wrote (the fake kernel moves
+        # cur_freq into new limits at once): forget what they held.
+        self._written.clear()
         self._controls = self._read_controls()
         self.gpu.request(self.now_s, self._gpu_wanted(None))
         for index, domain in enumerate(self.cpus):
             domain.request(self.now_s, self._cpu_wanted(index, None))
         self.emc.request(self.now_s, self._controls.emc_hz)
         self._show_clocks()
-        self._online = [self._online_cores(policy.path) for policy in self.paths.cpu]
+        online = self._read("sys/devices/system/cpu/online")
+        if online != self._online_list:
+            self._online_list = online
+            self._online = [self._online_cores(policy.path) for policy in self.paths.cpu]
 
     def _show_clocks(self) -> None:
         """The clocks in force into their files. The fake kernel moves ``cur_freq`` into new
         limits the moment they are written; the hardware takes the actuation delay, so the
-        simulator puts back what is really in force (forced: another writer touched them)."""
-        self._write(f"{self.gpu_paths.freq_dir}/cur_freq", self.gpu.current, force=True)
+        simulator puts back what is really in force."""
+        self._write(f"{self.gpu_paths.freq_dir}/cur_freq", self.gpu.current)
         for policy, domain in zip(self.paths.cpu, self.cpus):
-            self._write(f"{policy.path}/scaling_cur_freq", domain.current, force=True)
+            self._write(f"{policy.path}/scaling_cur_freq", domain.current)
 
     # -- activity ----------------------------------------------------------------------------
 
@@ -304,7 +322,7 @@ class SimBoard:
             wait_s = self.physics.unrailgate_s
             status = f"{self.gpu_paths.device_dir}/power/runtime_status"
             if os.path.exists(self.root / status):
-                self._write(status, "active", force=True)
+                self._write(status, "active")
         self.gpu_busy = True
         self.serving_cpu_share = cpu_share
         return wait_s
@@ -406,7 +424,7 @@ class SimBoard:
             self.gpu_on = False
             status = self.gpu_paths.device_dir + "/power/runtime_status"
             if os.path.exists(self.root / status):
-                self._write(status, "suspended", force=True)
+                self._write(status, "suspended")
         if self._next_podgov_s <= now + 1e-12:
             self._podgov_sample()
             self._next_podgov_s = now + self.podgov.tunables.poll_s
@@ -414,7 +432,7 @@ class SimBoard:
             self._schedutil_tick()
             self._next_cpu_tick_s = now + CPU_TICK_S
         if self.gpu.current != gpu_before:
-            self._write(f"{self.gpu_paths.freq_dir}/cur_freq", self.gpu.current, force=True)
+            self._write(f"{self.gpu_paths.freq_dir}/cur_freq", self.gpu.current)
 
     def _podgov_sample(self) -> None:
         window = self._podgov_window
@@ -455,11 +473,10 @@ class SimBoard:
             self._write(f"{gpu.device_dir}/load", int(round(1000 * min(1.0, load))))
         status = f"{gpu.device_dir}/power/runtime_status"
         if os.path.exists(self.root / status):
-            self._write(status, "active" if self.gpu_on else "suspended", force=True)
+            self._write(status, "active" if self.gpu_on else "suspended")
         emc = self.paths.emc
         if emc is not None and self._read(f"{emc.path}/mrq_rate_locked") != "1":
-            # The board layer writes this file too (a request, when it locks EMC): never cached.
-            self._write(f"{emc.path}/rate", self.emc.current, force=True)
+            self._write(f"{emc.path}/rate", self.emc.current)
         self._write_rails(avg_mw)
         for path, _ in self._zone_files:
             self._write(path, 100 * int(round(self.temp_c * 10)))

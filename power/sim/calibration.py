@@ -68,7 +68,7 @@ class _Bench:
         root = Path(self._work.name)
         write_tree(root, profile(board_name), 6, mode_id=mode_id)
         self.writer = FakeKernel(root, 6)
-        self.board = SimBoard(root=root, physics=physics)
+        self.board = SimBoard(root=root, physics=physics, kernel=self.writer)
 
     def close(self) -> None:
         self._work.cleanup()
@@ -112,11 +112,12 @@ def _stripped_floor_mw(board_name: str, physics: BoardPhysics) -> float:
     bench = _Bench(board_name, 0, dataclasses.replace(physics, peripheral_mw=0.0))
     try:
         board = bench.board
-        for cpu in range(1, profile(board_name).cpus):
-            (board.root / f"sys/devices/system/cpu/cpu{cpu}/online").write_text("0\n")
         for policy in board.paths.cpu:
             bench.writer.write(f"{policy.path}/scaling_max_freq", str(policy.table_khz[0]))
             bench.writer.write(f"{policy.path}/scaling_min_freq", str(policy.table_khz[0]))
+        for cpu in range(1, profile(board_name).cpus):
+            (board.root / f"sys/devices/system/cpu/cpu{cpu}/online").write_text("0\n")
+        (board.root / "sys/devices/system/cpu/online").write_text("0\n")
         if board.paths.emc is not None:
             bench.writer.write(f"{board.paths.emc.path}/mrq_rate_locked", "1")
             bench.writer.write(f"{board.paths.emc.path}/rate", str(board.emc_rates_hz[0]))

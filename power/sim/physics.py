@@ -211,17 +211,17 @@ class LatencyNoise:
     def __init__(self, physics: BoardPhysics, seed: int) -> None:
         self._physics = physics
         self._random = random.Random(seed)
-        self._log = 0.0
+        self._log = self._random.gauss(0.0, physics.noise_sigma)  # from the stationary law
         self._last_s: float | None = None
         self._in_spell = False
 
     def factor(self, now_s: float) -> float:
         physics = self._physics
-        gap_s = 0.0 if self._last_s is None else max(0.0, now_s - self._last_s)
+        if self._last_s is not None:
+            rho = math.exp(-max(0.0, now_s - self._last_s) / physics.noise_tau_s)
+            self._log = rho * self._log + math.sqrt(1 - rho * rho) * self._random.gauss(
+                0.0, physics.noise_sigma)
         self._last_s = now_s
-        rho = math.exp(-gap_s / physics.noise_tau_s)
-        self._log = rho * self._log + math.sqrt(1 - rho * rho) * self._random.gauss(
-            0.0, physics.noise_sigma)
         if self._in_spell:
             self._in_spell = self._random.random() < physics.spell_stay_probability
         else:

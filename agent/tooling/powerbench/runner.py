@@ -127,9 +127,10 @@ def run_one(trace: Trace, strategy_name: str, options: PowerBenchOptions, *,
         root = Path(work) / "board"
         root.mkdir()
         write_tree(root, board_profile, options.jetpack, mode_id=mode_id)
+        kernel = FakeKernel(root, options.jetpack)
         board = SimBoard(root=root, physics=physics_for(board_profile.name),
-                         record_timeline=True)
-        strategy = _strategy(strategy_name, board, options, FakeKernel(root, options.jetpack))
+                         record_timeline=True, kernel=kernel)
+        strategy = _strategy(strategy_name, board, options, kernel)
         noise = LatencyNoise(board.physics, seed=options.seed * 7919 + TRACES.index(trace.name))
         config = ServingConfig(max_batch=options.max_batch, step_period_s=options.step_period_s)
         result = run_serving(board, trace, strategy, config=config, noise=noise)
