@@ -275,3 +275,20 @@ def test_calibration_meets_its_gates_and_says_what_it_did_not_reproduce() -> Non
     assert any(row["role"] == "check" and row["error"] is not None for row in rows)
     missing = [row for row in rows if row["simulated"] is None]
     assert missing and all("not reproduced" in row["note"] for row in missing)
+
+
+def test_one_apply_moving_several_clocks_is_one_point_change(tmp_path: Path) -> None:
+    board, kernel = _board(tmp_path)
+    board.advance(0.1)
+    points, clocks = board.point_changes, board.clock_changes
+    emc = board.paths.emc
+    assert emc is not None
+    kernel.write(f"{board.gpu_paths.freq_dir}/min_freq", str(TOP_GPU))
+    kernel.write(f"{emc.path}/mrq_rate_locked", "1")
+    kernel.write(f"{emc.path}/rate", "665600000")
+    board.sync()
+    board.advance(0.2)
+    assert board.point_changes == points + 1
+    assert board.clock_changes == clocks + 2
+    board.sync()  # nothing written since: nothing re-read, nothing changed
+    assert board.point_changes == points + 1

@@ -46,14 +46,16 @@ class _Domain:
     delay_s: float
     pending: _Pending | None = None
 
-    def request(self, now_s: float, value: int) -> None:
+    def request(self, now_s: float, value: int) -> bool:
+        """Ask for ``value``; answers whether that changed what this clock is heading for."""
         target = self.pending.value if self.pending is not None else self.current
         if value == target:
-            return
+            return False
         if value == self.current:
             self.pending = None
         else:
             self.pending = _Pending(at_s=now_s + self.delay_s, value=value)
+        return True
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,10 @@ class SimBoard:
         self._cpu_window = _Window(start_s=0.0, cpu_busy_s=[0.0] * len(self.cpus))
         self._publish_window = _Window(start_s=0.0)
         self.timeline: list[TimelinePoint] | None = [] if record_timeline else None
-        self.clock_changes = 0  # rates put in force (any domain)
+        self.clock_changes = 0  # rates put in force, counted per clock (GPU, EMC, each policy)
+        # Operating-point changes: moments at which one or more clocks were asked for a new rate
+        # (one apply of the board layer, or one decision of a stock governor).
+        self.point_changes = 0
         self._zone_files = self._writable_zones()
         self._power_cache: dict[tuple[object, ...], float] = {}
         self.sync()
@@ -293,10 +298,11 @@ class SimBoard:
         # cur_freq into new limits at once): forget what they held.
         self._written.clear()
         self._controls = self._read_controls()
-        self.gpu.request(self.now_s, self._gpu_wanted(None))
+        changed = self.gpu.request(self.now_s, self._gpu_wanted(None))
         for index, domain in enumerate(self.cpus):
-            domain.request(self.now_s, self._cpu_wanted(index, None))
-        self.emc.request(self.now_s, self._controls.emc_hz)
+            changed = domain.request(self.now_s, self._cpu_wanted(index, None)) or changed
+        changed = self.emc.request(self.now_s, self._controls.emc_hz) or changed
+        self.point_changes += 1 if changed else 0
         self._show_clocks()
         online = self._read("sys/devices/system/cpu/online")
         if online != self._online_list:
@@ -442,7 +448,8 @@ class SimBoard:
         choice = self.podgov.sample(now_s=self.now_s, busy_share=min(1.0, busy),
                                     freq_hz=self.gpu.current, table_hz=self.gpu_paths.table_hz,
                                     min_hz=low, max_hz=high, railgated=not self.gpu_on)
-        self.gpu.request(self.now_s, self._gpu_wanted(choice))
+        if self.gpu.request(self.now_s, self._gpu_wanted(choice)):
+            self.point_changes += 1
         self._podgov_window = _Window(start_s=self.now_s)
 
     def _schedutil_tick(self) -> None:
@@ -455,7 +462,8 @@ class SimBoard:
             choice = governor.update(now_s=self.now_s, interval_s=span, busy_share=min(1.0, busy),
                                      freq_khz=domain.current, table_khz=policy.table_khz,
                                      min_khz=low, max_khz=high)
-            domain.request(self.now_s, self._cpu_wanted(index, choice))
+            if domain.request(self.now_s, self._cpu_wanted(index, choice)):
+                self.point_changes += 1
         self._cpu_window = _Window(start_s=self.now_s, cpu_busy_s=[0.0] * len(self.cpus))
 
     # -- what a read shows -------------------------------------------------------------------

@@ -71,7 +71,8 @@ class ServingResult:
     records: list[RequestRecord] = field(default_factory=list)
     energy_mj: float = 0.0
     duration_s: float = 0.0
-    clock_changes: int = 0
+    clock_changes: int = 0  # per clock
+    point_changes: int = 0  # operating-point changes (see SimBoard.point_changes)
     steps: int = 0
     wakes: int = 0
     max_queue_depth: int = 0
@@ -106,6 +107,7 @@ def run_serving(board: SimBoard, trace: Trace, strategy: Strategy, *, config: Se
     batch: _Batch | None = None
     energy_start = board.energy_mj
     changes_start = board.clock_changes
+    points_start = board.point_changes
     end_s = trace.duration_s
     strategy.start(board.now_s)
     board.sync()
@@ -187,6 +189,7 @@ def run_serving(board: SimBoard, trace: Trace, strategy: Strategy, *, config: Se
     result.energy_mj = board.energy_mj - energy_start
     result.duration_s = board.now_s
     result.clock_changes = board.clock_changes - changes_start
+    result.point_changes = board.point_changes - points_start
     return result
 
 

@@ -44,7 +44,7 @@ TARGETS: tuple[Target, ...] = (
     Target(key="sleep_power_fraction", bound=0.5, at_least=False,
            what="sleep power / idle power at max clocks"),
     Target(key="clock_changes_per_s", bound=5.0, at_least=False,
-           what="clock changes in force per second (worst trace)"),
+           what="operating-point changes per second (worst trace)"),
     Target(key="calibration_max_power_error", bound=0.10, at_least=False,
            what="simulator vs power anchors (largest)"),
     Target(key="calibration_max_latency_error", bound=0.15, at_least=False,
