@@ -96,7 +96,7 @@ def test_the_daemon_unit_is_a_notify_service_with_a_watchdog_and_bounded_restart
     assert unit.value("Service", "Restart") == "on-failure"
     assert int(unit.value("Unit", "StartLimitBurst") or 0) >= 2
     assert int(unit.value("Unit", "StartLimitIntervalSec") or 0) > 0
-    assert unit.value("Service", "ExecReload") == "/bin/kill -HUP $MAINPID"
+    assert unit.value("Service", "ExecReload") == "/bin/sh -c 'kill -HUP $$MAINPID'"
     command = (unit.value("Service", "ExecStart") or "").split()
     assert command[:2] == ["/opt/edge-agent/venv/bin/edge-agent", "serve"]
     assert command[command.index("--config") + 1] == "/etc/edge-agent/agent.toml"
