@@ -22,8 +22,10 @@ The model, per board (:class:`BoardPhysics`), and where each number comes from
   of the base is peripherals; every other anchor is a check.
 * Heat: one thermal mass (first order) between the module's power and the ambient air.
 
-Unconfirmed in the reference and so plain parameters here: the GPU's unrailgate time, the SC7
-power and resume time.
+Unconfirmed in the reference and so a plain parameter here: the GPU's unrailgate time (4 ms).
+SC7 suspend is not simulated: the board layer never suspends the board (it has no write for it),
+so the simulator's "sleep" is whatever the controller puts in force (lowest clocks, the rail
+gated, an nvpmodel mode with fewer cores).
 """
 
 from __future__ import annotations
@@ -82,9 +84,6 @@ class BoardPhysics:
     # Rail gating (nvgpu ga10b default autosuspend delay 500 ms); unrailgate time UNCONFIRMED.
     railgate_delay_s: float = 0.500
     unrailgate_s: float = 0.004
-    # SC7 suspend (UNCONFIRMED on Orin Nano): used by the break-even figure only.
-    sc7_power_mw: float = 450.0
-    sc7_resume_s: float = 0.600
 
     # Heat: Tj = ambient + R * P at equilibrium, first order with tau.
     ambient_c: float = 25.0
