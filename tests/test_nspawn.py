@@ -407,6 +407,7 @@ def test_stop_under_load_drops_no_accepted_request(booted: Container) -> None:
     finally:
         client.kill()
         booted.exec("systemctl", "start", "edge-agent.service", timeout=READY_TIMEOUT_S)
+    print(f"stop under load: {counts}")
     assert counts["ok"] > 0
     assert counts["dropped"] == 0, counts
     assert counts["other"] == 0, counts
@@ -420,6 +421,8 @@ def test_reload_applies_a_changed_setting(booted: Container) -> None:
     try:
         pid = booted.show("edge-agent.service", "MainPID")["MainPID"]
         booted.exec("systemctl", "reload", "edge-agent.service", timeout=60)
+        # RELOADING=1 from the daemon, then READY=1 once applied: "reloading" until then.
+        booted.wait_active(timeout_s=30)
         after = booted.show("edge-agent.service", "MainPID", "ActiveState")
         assert after == {"MainPID": pid, "ActiveState": "active"}  # the same process
         journal = booted.journal(lines=100)
