@@ -42,6 +42,7 @@ PROFILES = ("governed", "max", "min", "stock")
 TELEMETRY_PERIOD_S = 1.0  # a full telemetry read, at most this often
 SETTLE_S = 0.010  # a clock change is in force this long after its write (GPU 5 ms, EMC 8 ms)
 DECISIONS_KEPT = 64
+COLD_AFTER_S = 8.0  # idle this long: a wake boosts to the top point
 
 
 class SnapshotStore(Protocol):
@@ -117,10 +118,13 @@ class Controller:
         self.decisions: deque[Decision] = deque(maxlen=DECISIONS_KEPT)
         self.changes = 0
         self.steps = 0
-        self.step_cpu_s: deque[float] = deque(maxlen=4096)
+        self.step_cpu_s: deque[float] = deque(maxlen=4096)  # whole steps, board I/O included
+        self.governor_cpu_s: deque[float] = deque(maxlen=4096)  # the same less the board's calls
+        self._board_cpu_s = 0.0
         self.wake_call_ms: deque[float] = deque(maxlen=64)
         self.wake_ms: deque[float] = deque(maxlen=64)  # the first request's extra latency
         self._woke_at_s: float | None = None
+        self._woke_key: PointKey | None = None
         self._engine_released = False
         self._active_key: PointKey | None = None  # the governor's last choice while active
         self._stock = False
@@ -213,10 +217,13 @@ class Controller:
     def step(self, load: LoadSample, completions: Sequence[Completion] = ()) -> Decision:
         """One governor step: learn, move between states, apply the point chosen."""
         started_cpu = time.process_time()
+        self._board_cpu_s = 0.0
         try:
             return self._step(load, completions)
         finally:
-            self.step_cpu_s.append(time.process_time() - started_cpu)
+            spent = time.process_time() - started_cpu
+            self.step_cpu_s.append(spent)
+            self.governor_cpu_s.append(spent - self._board_cpu_s)
 
     def _step(self, load: LoadSample, completions: Sequence[Completion]) -> Decision:
         if not self._started:
@@ -292,18 +299,22 @@ class Controller:
         planner = self._planner
         if planner is not None and self._idle_since_s is not None:
             planner.forecast.record(now_s - self._idle_since_s + self.policy.idle_after_s)
-        self._idle_since_s = None
-        key = self._boost_key()
+        idle_s = 0.0 if self._idle_since_s is None else now_s - self._idle_since_s
+        key = self._boost_key(cold=self.state is PowerState.WAKING or idle_s >= COLD_AFTER_S)
         self._apply(key, now_s, reason=f"wake ({reason})", nvpmodel_mode=mode)
+        self._idle_since_s = None
         governor.placed(key, now_s)
         self._last_activity_s = now_s
         self._woke_at_s = now_s
+        self._woke_key = key
         self._set_state(PowerState.ACTIVE, now_s)
 
-    def _boost_key(self) -> PointKey:
+    def _boost_key(self, *, cold: bool = False) -> PointKey:
+        """The point a wake boosts to: the top after sleep or a long idle (the first request
+        must not wait for the governor to relearn the load), else the last point held active."""
         governor = self._require_governor()
         key = self._active_key
-        if key is None or not governor.model.ready:
+        if cold or key is None or not governor.model.ready:
             return governor.top
         return key
 
@@ -343,7 +354,9 @@ class Controller:
     def _apply(self, key: PointKey, now_s: float, *, reason: str, railgate: bool | None = None,
                nvpmodel_mode: int | None = None) -> ApplyResult:
         point = point_for(key, railgate=railgate, nvpmodel_mode=nvpmodel_mode)
+        started_cpu = time.process_time()
         result = self.board.apply(point)
+        self._board_cpu_s += time.process_time() - started_cpu
         if not result.ok:
             log.warning("applying %s (%s): %d limit(s) read back different: %s", point.to_json(),
                         reason, len(result.mismatches),
@@ -370,11 +383,14 @@ class Controller:
 
     def _read_telemetry(self, now_s: float) -> None:
         self._last_telemetry_s = now_s
+        started_cpu = time.process_time()
         try:
             telemetry = self.board.telemetry()
         except (OSError, PowerError) as exc:
             log.warning("power telemetry unreadable: %s", exc)
             return
+        finally:
+            self._board_cpu_s += time.process_time() - started_cpu
         self.telemetry = telemetry
         guard = self._guard
         if guard is not None:
@@ -392,7 +408,8 @@ class Controller:
         for completion in completions:
             if completion.time_s < woke:
                 continue
-            expected = governor.model.predict_s(self._boost_key(), completion.batch_size)
+            expected = governor.model.predict_s(self._woke_key or governor.top,
+                                                completion.batch_size)
             extra = completion.total_s - (expected if expected is not None else 0.0)
             self.wake_ms.append(max(0.0, extra) * 1000.0)
             self._woke_at_s = None
@@ -413,7 +430,6 @@ class Controller:
     def status(self) -> dict[str, Any]:
         """What ``edge-agent power status`` and ``reported.power`` show (JSON-able)."""
         governor = self._governor
-        cpu = sorted(self.step_cpu_s)
         telemetry = self.telemetry
         return {
             "profile": self.policy.profile,
@@ -431,9 +447,8 @@ class Controller:
             "power_mw": None if telemetry is None else telemetry.total_power_mw,
             "changes": self.changes,
             "steps": self.steps,
-            "step_cpu_ms": None if not cpu else {
-                "mean": round(sum(cpu) / len(cpu) * 1000, 4),
-                "p99": round(cpu[min(len(cpu) - 1, int(0.99 * len(cpu)))] * 1000, 4)},
+            "step_cpu_ms": cpu_figures_ms(self.step_cpu_s),
+            "governor_cpu_ms": cpu_figures_ms(self.governor_cpu_s),
             "wake_ms": None if not self.wake_ms else round(self.wake_ms[-1], 3),
             "wake_call_ms": None if not self.wake_call_ms else round(self.wake_call_ms[-1], 3),
             "decisions": [decision.to_json() for decision in list(self.decisions)[-8:]],
@@ -443,6 +458,15 @@ class Controller:
         if self._governor is None:
             raise PowerError("the power controller is not started")
         return self._governor
+
+
+def cpu_figures_ms(samples: Sequence[float]) -> dict[str, float] | None:
+    """Mean and P99 of CPU seconds per step, in ms."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return {"mean": round(sum(ordered) / len(ordered) * 1000, 4),
+            "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000, 4)}
 
 
 def check_policy(policy: PowerPolicy) -> None:

@@ -39,14 +39,18 @@ CPU_LEVELS = 6  # CPU entries the governor chooses among (the table's ends and e
 TAIL_QUANTILE = 0.995  # of observed/predicted compute, for the margin
 MIN_MARGIN = 1.15
 UP_HEADROOM = 0.85  # going up: aim this far under the target, so one step is enough
-DOWN_BAND = 0.75  # going down: the new point must meet this share of the target
+DOWN_BAND = 0.80  # going down: the new point must meet this share of the target
 DOWN_COST_GAIN = 0.97  # ... and cost at most this share of the point in force
 DOWN_HOLD_S = 1.5  # no move down sooner than this after any change
 DOWN_AFTER_UP_S = 3.0  # ... nor this soon after a move up
-MISS_HOLD_S = 2.0  # after a request over the target: stay at the top point this long
+MISS_HOLD_S = 1.0  # after a request over the target: stay at the top point this long
 MAX_UTILISATION = 0.80  # never plan a point busier than this at the current arrival rate
 PREDICTION_REFRESH_S = 0.5  # re-predict every candidate at most this often
-RATE_FAST_S = 0.3  # arrival-rate averages' time constants
+TOTAL_QUANTILE = 0.99  # of observed latency / predicted compute, per utilisation bucket
+UTILISATION_BUCKETS = 8
+DOWN_CHECK_S = 0.25  # look for a cheaper point at most this often
+HELD_LEAST = 20  # requests at the point in force before its observed P99 counts
+RATE_FAST_S = 0.5  # arrival-rate windows
 RATE_SLOW_S = 2.0
 
 
@@ -97,30 +101,36 @@ def cpu_levels(cpu_khz: Sequence[int], count: int = CPU_LEVELS) -> tuple[int, ..
 
 
 class _RateMeter:
-    """Arrival rate from the monotonic counter: fast and slow exponential averages."""
+    """Arrival rate from the monotonic counter over two sliding windows: the long one plans,
+    the short one takes over only when it is significantly higher (a burst), so a steady stream's
+    counting noise does not move the clocks."""
 
     def __init__(self) -> None:
-        self._last: tuple[float, int] | None = None
-        self.fast_hz = 0.0
+        self._counts: deque[tuple[float, int]] = deque()
         self.slow_hz = 0.0
+        self.fast_hz = 0.0
+        self.planning_hz = 0.0
+
+    def _since(self, now_s: float, window_s: float, total: int) -> tuple[int, float]:
+        for time_s, count in self._counts:
+            if now_s - time_s <= window_s + 1e-9:
+                return total - count, max(now_s - time_s, 1e-3)
+        return 0, window_s
 
     def update(self, time_s: float, total: int) -> None:
-        if self._last is None:
-            self._last = (time_s, total)
+        counts = self._counts
+        counts.append((time_s, total))
+        while counts and time_s - counts[0][0] > RATE_SLOW_S + 1e-9:
+            counts.popleft()
+        if len(counts) < 2:
             return
-        last_s, last_total = self._last
-        span = time_s - last_s
-        if span <= 0:
-            return
-        rate = max(0, total - last_total) / span
-        self.fast_hz += (1 - math.exp(-span / RATE_FAST_S)) * (rate - self.fast_hz)
-        self.slow_hz += (1 - math.exp(-span / RATE_SLOW_S)) * (rate - self.slow_hz)
-        self._last = (time_s, total)
-
-    @property
-    def planning_hz(self) -> float:
-        # Up quickly on a burst, down slowly after one.
-        return max(self.fast_hz, self.slow_hz)
+        slow_count, slow_span = self._since(time_s, RATE_SLOW_S, total)
+        fast_count, fast_span = self._since(time_s, RATE_FAST_S, total)
+        self.slow_hz = slow_count / slow_span
+        self.fast_hz = fast_count / fast_span
+        expected = self.slow_hz * fast_span
+        significant = fast_count > expected + 2.0 * math.sqrt(max(expected, 1.0)) + 1
+        self.planning_hz = self.fast_hz if significant else self.slow_hz
 
 
 class _ChangeRation:
@@ -151,6 +161,36 @@ def changed_domains(old: PointKey | None, new: PointKey) -> int:
             + (old.emc_hz != new.emc_hz))
 
 
+class _RatioBuckets:
+    """Observed request latency over the predicted single-request compute at its point, kept per
+    utilisation bucket: the P99 multiplier of a point, queueing and batching included, learned
+    rather than assumed (periodic arrivals hardly queue; Poisson ones at the same load do)."""
+
+    def __init__(self, buckets: int, width: float, keep: int = 300) -> None:
+        self.width = width
+        self._ratios: list[deque[float]] = [deque(maxlen=keep) for _ in range(buckets)]
+        self.quantiles: list[float | None] = [None] * buckets
+
+    def index(self, busy: float) -> int:
+        return min(len(self._ratios) - 1, max(0, int(busy / self.width)))
+
+    def add(self, busy: float, ratio: float) -> None:
+        self._ratios[self.index(busy)].append(ratio)
+
+    def refresh(self, quantile: float, least: int = 30) -> None:
+        learned: list[float | None] = []
+        floor = 0.0
+        for ratios in self._ratios:
+            if len(ratios) < least:
+                learned.append(None)
+                continue
+            ordered = sorted(ratios)
+            # Never below a less busy bucket's: more load cannot mean less waiting.
+            floor = max(floor, ordered[min(len(ordered) - 1, int(quantile * len(ordered)))])
+            learned.append(floor)
+        self.quantiles = learned
+
+
 class Governor:
     """Chooses the operating point from the load, the completions and the policy.
 
@@ -175,14 +215,18 @@ class Governor:
         self._rate = _RateMeter()
         self._ration = _ChangeRation(policy.max_changes_per_s)
         self._batch_avg = 1.0
+        self._batch_max = 1
+        self._ratios = _RatioBuckets(UTILISATION_BUCKETS, MAX_UTILISATION / UTILISATION_BUCKETS)
         self._predicted: list[float] | None = None  # per candidate, single request
         self._predicted_version = -1
         self._predicted_at_s = -math.inf
         self._last_change_s = -math.inf
         self._last_up_s = -math.inf
         self._last_miss_s = -math.inf
+        self._last_down_check_s = -math.inf
         self._power_scale = 1.0  # measured / estimated draw
         self.recent: deque[tuple[float, float]] = deque(maxlen=400)  # (time, total_s)
+        self._held: deque[float] = deque(maxlen=200)  # totals at the point in force, since it was
         self.misses = 0
         self.current: PointKey | None = None
 
@@ -198,17 +242,26 @@ class Governor:
         batch ran at (``None``: they changed during it)."""
         self._rate.update(load.time_s, load.arrivals_total)
         target = self.policy.latency_target_s
+        model = self.model
         for completion in completions:
             self.recent.append((completion.time_s, completion.total_s))
             if completion.total_s > target:
                 self.misses += 1
                 self._last_miss_s = completion.time_s
             self._batch_avg += 0.05 * (completion.batch_size - self._batch_avg)
+            self._batch_max = max(self._batch_max, completion.batch_size)
             if not completion.ok:
                 continue
             key = key_of(completion)
-            if key is not None:
-                self.model.observe(key, completion.compute_s, completion.batch_size)
+            if key is None:
+                continue
+            if key == self.current:
+                self._held.append(completion.total_s)
+            single = model.predict_s(key)
+            if single is not None:
+                busy = self._busy(single, self._rate.slow_hz)
+                self._ratios.add(busy, completion.total_s / single)
+            model.observe(key, completion.compute_s, completion.batch_size)
 
     def observe_power(self, key: PointKey, measured_mw: float, busy_share: float) -> None:
         """A telemetry reading at ``key``: corrects the draw estimates' scale (for the cap)."""
@@ -220,40 +273,57 @@ class Governor:
 
     # -- prediction ---------------------------------------------------------------------------
 
-    def _refresh(self, now_s: float, force: bool = False) -> list[float] | None:
+    def _refresh(self, now_s: float) -> list[float] | None:
         model = self.model
         if not model.ready:
             return None
-        stale = model.version != self._predicted_version
-        if self._predicted is None or (stale and (
-                force or now_s - self._predicted_at_s >= PREDICTION_REFRESH_S)):
-            predicted = []
-            for candidate in self.candidates:
-                value = model.predict_s(candidate.key)
-                predicted.append(value if value is not None else math.inf)
-            self._predicted = predicted
+        if self._predicted is None or (model.version != self._predicted_version
+                                       and now_s - self._predicted_at_s >= PREDICTION_REFRESH_S):
+            predict = model.predict_s
+            self._predicted = [predict(candidate.key) or math.inf
+                               for candidate in self.candidates]
             self._predicted_version = model.version
             self._predicted_at_s = now_s
+            self._ratios.refresh(TOTAL_QUANTILE)
         return self._predicted
 
-    def _p99(self, single_s: float, rate_hz: float, margin: float) -> tuple[float, float]:
-        """(P99 estimate, busy share) of a point whose single request takes ``single_s``."""
+    def _busy(self, single_s: float, rate_hz: float) -> float:
         batch = max(1.0, self._batch_avg)
-        batch_s = single_s * self.model.batch_factor(round(batch))
-        busy = rate_hz * batch_s / batch
+        return rate_hz * single_s * self.model.batch_factor(round(batch)) / batch
+
+    def _multiplier(self, busy: float, margin: float) -> float:
+        """P99 latency over the single-request compute time at a point this busy."""
         if busy >= MAX_UTILISATION:
-            return math.inf, busy
-        # A request may wait for the batch in progress, and for a queue at this utilisation
-        # (an M/D/1-like factor; the margin covers the rest).
-        wait = batch_s * (busy + 1.5 * busy / (1.0 - busy))
-        return margin * batch_s + wait, busy
+            return math.inf
+        ratios = self._ratios
+        index = ratios.index(busy)
+        learned = ratios.quantiles[index]
+        if learned is not None:
+            return max(learned, margin)
+        # Not seen at this load yet: a request may wait for the batch in progress and for a
+        # queue (M/D/1-like), in units of the batch time, all times the compute margin; scaled
+        # to the nearest less busy load seen, where there is one.
+        batch_factor = self.model.batch_factor(round(max(1.0, self._batch_avg)))
+        analytic = batch_factor * (margin + busy + 1.5 * busy / (1.0 - busy))
+        for lower in range(index - 1, -1, -1):
+            seen = ratios.quantiles[lower]
+            if seen is not None:
+                at = (lower + 1) * ratios.width  # the top of that bucket: pessimistic
+                return max(margin, seen * analytic
+                           / (batch_factor * (margin + at + 1.5 * at / (1.0 - at))))
+        return analytic
+
+    @staticmethod
+    def _shape(busy: float) -> float:
+        """How queueing grows with the busy share (M/D/1-like, plus the batch in progress)."""
+        return math.inf if busy >= 1.0 else 1.0 + busy + 1.5 * busy / (1.0 - busy)
 
     def predict_p99_s(self, key: PointKey, rate_hz: float | None = None) -> float | None:
         single = self.model.predict_s(key)
         if single is None:
             return None
         rate = self._rate.planning_hz if rate_hz is None else rate_hz
-        return self._p99(single, rate, self.margin())[0]
+        return single * self._multiplier(self._busy(single, rate), self.margin())
 
     def margin(self) -> float:
         return max(MIN_MARGIN, self.model.tail_ratio(TAIL_QUANTILE))
@@ -281,42 +351,69 @@ class Governor:
                    or khz <= cap.cpu_max_khz), default=self.table.cpu_khz[0])
         return PointKey(gpu_hz=gpu, cpu_khz=cpu, emc_hz=self.top.emc_hz)
 
-    def best(self, now_s: float, share_of_target: float, cap: ThermalCap | None = None
-             ) -> tuple[PointKey, float] | None:
+    def best(self, now_s: float, share_of_target: float, cap: ThermalCap | None = None,
+             queue_depth: int = 0, anchored: bool = False) -> tuple[PointKey, float] | None:
         """The cheapest allowed candidate whose P99 estimate is within ``share_of_target`` of
-        the target, with that estimate; ``None`` when none is (or nothing is learned yet)."""
+        the target (and which drains ``queue_depth`` requests inside it), with that estimate;
+        ``None`` when none is (or nothing is learned yet). ``anchored``: no estimate below the
+        P99 observed at the point in force, scaled by the predicted compute ratio."""
         predicted = self._refresh(now_s)
         if predicted is None:
             return None
+        anchor = 0.0  # observed P99 / single compute at the point in force, over its shape
+        if anchored and self.current is not None:
+            held = self.held_p99_s()
+            single_now = self.model.predict_s(self.current)
+            if held is not None and single_now:
+                anchor = held / single_now / self._shape(self._busy(single_now, self._rate.planning_hz))
         rate = self._rate.planning_hz
         margin = self.margin()
         limit = self.policy.latency_target_s * share_of_target
         power_cap = self.policy.power_cap_mw
-        best: tuple[float, PointKey, float] | None = None
+        scale = self._power_scale
+        batch = max(1.0, self._batch_avg)
+        per_item = self.model.batch_factor(round(batch)) / batch
+        largest = self._batch_max
+        full, rest = divmod(queue_depth, largest)
+        drain_factor = (full * self.model.batch_factor(largest)
+                        + (self.model.batch_factor(rest) if rest else 0.0)
+                        + (0.5 * self.model.batch_factor(largest) if queue_depth else 0.0))
+        best_cost = math.inf
+        best: tuple[PointKey, float] | None = None
         for candidate, single in zip(self.candidates, predicted):
-            p99, busy = self._p99(single, rate, margin)
-            if p99 > limit or not self._allowed(candidate.key, cap):
+            busy = rate * single * per_item
+            p99 = single * self._multiplier(busy, margin)
+            if anchor:
+                p99 = max(p99, single * anchor * self._shape(busy))
+            if p99 > limit or single * drain_factor > limit:
                 continue
             cost = candidate.idle_mw + min(1.0, busy) * candidate.busy_extra_mw
-            if power_cap is not None and cost * self._power_scale > power_cap:
+            if cost >= best_cost or not self._allowed(candidate.key, cap):
                 continue
-            if best is None or cost < best[0]:
-                best = (cost, candidate.key, p99)
-        return None if best is None else (best[1], best[2])
+            if power_cap is not None and cost * scale > power_cap:
+                continue
+            best_cost = cost
+            best = (candidate.key, p99)
+        return best
 
     def cost(self, key: PointKey) -> float:
         draw = self._draw.get(key) or estimate_draw(key, self.table)
         single = self.model.predict_s(key)
-        busy = 0.0 if single is None else min(1.0, self._rate.planning_hz * single)
+        busy = 0.0 if single is None else min(1.0, self._busy(single, self._rate.planning_hz))
         return draw.idle_mw + busy * draw.busy_extra_mw
 
-    def _drain_s(self, key: PointKey, queue_depth: int) -> float | None:
+    def _drain_s(self, key: PointKey, queue_depth: int, busy: bool) -> float | None:
+        """How long the queue takes to clear at ``key``: its batches, after half the batch in
+        progress (its expected rest)."""
         single = self.model.predict_s(key)
         if single is None:
             return None
-        batch = max(1.0, self._batch_avg)
-        per_request = single * self.model.batch_factor(round(batch)) / batch
-        return (queue_depth + 1) * per_request * self.margin()
+        largest = self._batch_max
+        full, rest = divmod(queue_depth, largest)
+        batches_s = full * self.model.batch_factor(largest) + (
+            self.model.batch_factor(rest) if rest else 0.0)
+        in_progress = 0.5 * self.model.batch_factor(largest) if busy else 0.0
+        return single * (batches_s + in_progress)
 
     def choose(self, load: LoadSample, cap: ThermalCap | None = None) -> Choice:
         """The point to hold from now (the point in force is :attr:`current`)."""
@@ -327,18 +424,24 @@ class Governor:
         top = self._capped_top(cap)
         if not self.model.ready:
             return self._go(Choice(key=top, reason="learning", predicted_s=None), now)
-        # Emergencies first: a queue the point in force cannot drain inside the target, or a
-        # fresh miss (clustered: the next is likely to miss too).
-        if current is not None and load.queue_depth > 0:
-            drain = self._drain_s(current, load.queue_depth)
-            if drain is not None and drain > target * UP_HEADROOM and current != top:
-                return self._go(Choice(key=top, reason="queue emergency", predicted_s=drain,
-                                       emergency=True), now)
+        # Emergencies first: a queue the point in force cannot drain inside the target (to the
+        # cheapest point that can), or a fresh miss (clustered: the next is likely to miss too).
+        if current is not None and load.queue_depth > 0 and current != top:
+            drain = self._drain_s(current, load.queue_depth, load.busy_instances > 0)
+            if drain is not None and drain > target * UP_HEADROOM:
+                found = self.best(now, UP_HEADROOM, cap, queue_depth=load.queue_depth)
+                key = found[0] if found is not None else top
+                if key != current and self.cost(key) > self.cost(current):
+                    return self._go(Choice(key=key, reason="queue emergency", predicted_s=drain,
+                                           emergency=True), now)
         if now - self._last_miss_s < MISS_HOLD_S:
             reason = "over target" if current != top else "holding after a miss"
             return self._go(Choice(key=top, reason=reason, predicted_s=None,
                                    emergency=current != top), now)
         current_p99 = None if current is None else self.predict_p99_s(current)
+        held = self.held_p99_s()
+        if current_p99 is not None and held is not None:
+            current_p99 = max(current_p99, held)
         if current is None or current_p99 is None or current_p99 > target \
                 or not self._allowed(current, cap):
             found = self.best(now, UP_HEADROOM, cap)
@@ -347,9 +450,10 @@ class Governor:
                 else "over target"
             return self._go(Choice(key=key, reason=reason, predicted_s=p99), now)
         # The point in force meets the target: move down only with slack, after a hold.
-        if (now - self._last_change_s >= DOWN_HOLD_S
-                and now - self._last_up_s >= DOWN_AFTER_UP_S):
-            found = self.best(now, DOWN_BAND, cap)
+        if (now - self._last_change_s >= DOWN_HOLD_S and now - self._last_up_s >= DOWN_AFTER_UP_S
+                and now - self._last_down_check_s >= DOWN_CHECK_S):
+            self._last_down_check_s = now
+            found = self.best(now, DOWN_BAND, cap, anchored=True)
             if found is not None and found[0] != current \
                     and self.cost(found[0]) < DOWN_COST_GAIN * self.cost(current):
                 return self._go(Choice(key=found[0], reason="slack", predicted_s=found[1]), now)
@@ -370,6 +474,7 @@ class Governor:
         if going_up:
             self._last_up_s = now_s
         self.current = choice.key
+        self._held.clear()
         return choice
 
     def placed(self, key: PointKey, now_s: float) -> None:
@@ -378,7 +483,15 @@ class Governor:
             self._ration.refill(now_s)
             self._ration.spend(changed_domains(self.current, key))
             self._last_change_s = now_s
+            self._held.clear()
         self.current = key
+
+    def held_p99_s(self) -> float | None:
+        """The P99 latency observed at the point in force (``None``: too few requests yet)."""
+        if len(self._held) < HELD_LEAST:
+            return None
+        ordered = sorted(self._held)
+        return ordered[min(len(ordered) - 1, int(TOTAL_QUANTILE * len(ordered)))]
 
     def observed_p99_s(self, window_s: float, now_s: float) -> float | None:
         values = sorted(total for time_s, total in self.recent if now_s - time_s <= window_s)
