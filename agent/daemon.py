@@ -56,6 +56,7 @@ from agent.update.updater import Updater
 
 if TYPE_CHECKING:
     from agent.fleet.device import FleetDevice
+    from agent.power.service import PowerParts, PowerService
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ class Daemon:
                  task_stop_timeout_s: float = 10.0,
                  update_policy: UpdatePolicy | None = None,
                  canary_policy: CanaryPolicy | None = None,
-                 download_policy: DownloadPolicy | None = None) -> None:
+                 download_policy: DownloadPolicy | None = None,
+                 power_parts: PowerParts | None = None) -> None:
         self.config = config
         self.shm_root = shm_root
         self.state = DaemonState.CREATED
@@ -120,6 +122,12 @@ class Daemon:
         self.update_steps: DaemonSteps | None = None
         updater = attach_updater(self, policy=update_policy, canary=canary_policy,
                                  download=download_policy)
+        # Before the fleet: its reported documents and commands include the governor's.
+        self.power: PowerService | None = None
+        if config.power.enabled:
+            from agent.power.service import attach_power
+
+            self.power = attach_power(self, power_parts)
         self.fleet: FleetDevice | None = None
         if config.fleet.enabled:
             # Imported here: paho (the device extra) only on boards that use fleet control.
@@ -232,7 +240,8 @@ class Daemon:
             token=http.token.reveal() if http.token is not None else None,
             max_body_bytes=http.max_body_bytes,
             metrics_render=lambda: (metrics.render() + self.task_metrics.render()
-                                    + self.update_metrics.render()),
+                                    + self.update_metrics.render()
+                                    + (self.power.metrics.render() if self.power else b"")),
             shm_root=self.shm_root, access_log=http.access_log)
         service.start()
         try:
@@ -365,6 +374,7 @@ class Daemon:
             "tasks": [task.to_json() for task in self.supervisor.status()],
             "failure": str(self.failure) if self.failure else None,
             "fleet": self.fleet.status() if self.fleet is not None else None,
+            "power": self.power.reported() if self.power is not None else None,
         }
 
     async def _status_command(self, args: dict[str, Any], emit: Emit) -> dict[str, Any]:

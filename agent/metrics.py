@@ -22,7 +22,8 @@ from prometheus_client.registry import Collector
 
 from agent.observers import BatchDone, RequestDone, ServingObserver
 
-__all__ = ["CONTENT_TYPE_LATEST", "ServingMetrics", "TaskMetrics", "UpdateMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "PowerMetrics", "ServingMetrics", "TaskMetrics",
+           "UpdateMetrics"]
 
 # Request latencies from 0.5 ms (a tiny model on a GPU) to 10 s (a full queue on a slow CPU).
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
@@ -192,3 +193,93 @@ class UpdateMetrics(Collector):
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# Wake latencies: from a few milliseconds (clocks raised) to the wake bound and past it.
+_WAKE_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class PowerMetrics(Collector):
+    """The power governor's figures (agent/power/service.py): the board's clocks, power by
+    rail and temperatures from its latest telemetry, the power state, the governor's decisions,
+    and the wake latency. Read at each scrape from the service's ``metrics_view()``, so they
+    never disagree with ``edge-agent power status``; the wake latency is a histogram the
+    service observes.
+
+    Args:
+        view: The service's latest figures: ``state``, ``states``, ``decisions``, ``wakes``,
+            ``wake_timeouts`` and ``telemetry`` (a :class:`power.types.Telemetry` or None).
+    """
+
+    def __init__(self, view: Callable[[], dict[str, Any]],
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._view = view
+        self.registry.register(self)
+        self.wake_seconds = Histogram(
+            "edge_agent_power_wake_duration_seconds", "From a wake request (the first request "
+            "after sleep, or a command) until the board was raised to serve", ["trigger"],
+            buckets=_WAKE_BUCKETS_S, registry=self.registry)
+
+    def observe_wake(self, trigger: str, seconds: float) -> None:
+        self.wake_seconds.labels(trigger).observe(seconds)
+
+    def collect(self) -> Iterator[Any]:
+        view = self._view()
+        state = GaugeMetricFamily("edge_agent_power_state", "1 for the power state the board "
+                                  "is in (active, idle, sleeping, waking)", labels=["state"])
+        for name in view.get("states", ()):
+            state.add_metric([name], 1.0 if name == view.get("state") else 0.0)
+        yield state
+        yield CounterMetricFamily("edge_agent_power_decisions", "Operating point changes the "
+                                  "governor made", value=view.get("decisions", 0))
+        yield CounterMetricFamily("edge_agent_power_wakes", "Wakes of the board, by what "
+                                  "asked", value=view.get("wakes", 0))
+        yield CounterMetricFamily("edge_agent_power_wake_timeouts", "Requests dispatched "
+                                  "without waiting longer for a wake that did not finish",
+                                  value=view.get("wake_timeouts", 0))
+        telemetry = view.get("telemetry")
+        if telemetry is None:
+            return
+        yield from _telemetry_families(telemetry)
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _telemetry_families(telemetry: Any) -> Iterator[Any]:
+    """One reading of the board (a power.types.Telemetry) as gauges, in base units."""
+    freq = GaugeMetricFamily("edge_agent_power_frequency_hertz", "Clock frequencies now",
+                             labels=["clock"])
+    if telemetry.gpu_freq_hz is not None:
+        freq.add_metric(["gpu"], float(telemetry.gpu_freq_hz))
+    for index, khz in enumerate(telemetry.cpu_freq_khz):
+        freq.add_metric([f"cpu{index}"], khz * 1000.0)  # per cpufreq policy (cluster)
+    if telemetry.emc_hz is not None:
+        freq.add_metric(["emc"], float(telemetry.emc_hz))
+    yield freq
+    if telemetry.gpu_load is not None:
+        yield GaugeMetricFamily("edge_agent_power_gpu_load_ratio", "GPU load, 0..1",
+                                value=telemetry.gpu_load)
+    rails = GaugeMetricFamily("edge_agent_power_rail_watts", "Power by rail (INA3221 monitors)",
+                              labels=["rail"])
+    for rail, milliwatts in sorted(telemetry.rails_mw.items()):
+        rails.add_metric([rail], milliwatts / 1000.0)
+    yield rails
+    if telemetry.total_power_mw is not None:
+        yield GaugeMetricFamily("edge_agent_power_total_watts", "The board's input power "
+                                "(VDD_IN where present, else the sum of the rails)",
+                                value=telemetry.total_power_mw / 1000.0)
+    temps = GaugeMetricFamily("edge_agent_power_temperature_celsius", "Thermal zones",
+                              labels=["zone"])
+    for zone in telemetry.thermal:
+        if zone.temp_c is not None:
+            temps.add_metric([zone.name], zone.temp_c)
+    yield temps
+    margin = telemetry.hottest_margin_c()
+    if margin is not None:
+        yield GaugeMetricFamily("edge_agent_power_thermal_margin_celsius", "Degrees below the "
+                                "nearest trip point over every zone", value=margin)

@@ -10,7 +10,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +35,10 @@ from agent.scattered import DeferredArray
 log = logging.getLogger(__name__)
 
 CANDIDATE_SCAN = 1024  # queued requests looked at to form the next batches
+
+WakeHook = Callable[[], Awaitable[None]]
+"""Called before the first dispatch after :meth:`Batcher.arm_wake` (the power governor's wake:
+the board boosts its clocks before the request runs)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,12 @@ class Batcher:
         self._max_batch_size = min(policy.max_batch_size,
                                    *(backend.max_batch_size for backend in instances))
         self._tap: Callable[[Tapped], None] | None = None
+        self._wake_hook: WakeHook | None = None
+        self._wake_timeout_s = 1.0
+        self._wake_armed = False  # the next dispatch waits for the hook first
+        self._waking: asyncio.Task[None] | None = None
+        self.wakes = 0  # hooks called
+        self.wake_timeouts = 0  # hooks that did not finish within the bound
 
     def _wrap(self, backend: Backend) -> Instance:
         index = next(_instance_numbers)
@@ -227,6 +237,59 @@ class Batcher:
         the event loop; None removes it. ``tap`` must only queue the work: it delays answers."""
         self._tap = tap
 
+    def set_wake_hook(self, hook: WakeHook | None, *, timeout_s: float = 1.0) -> None:
+        """Call ``await hook()`` before dispatching the first request after :meth:`arm_wake`
+        (the power service's: it wakes a sleeping board); None removes it. Requests wait for
+        the hook at most ``timeout_s``: one that hangs or fails is logged and dispatching goes
+        on without it. Without a hook, or while not armed, dispatch costs one flag test."""
+        self._wake_hook = hook
+        self._wake_timeout_s = timeout_s
+        if hook is None:
+            self._wake_armed = False
+
+    def arm_wake(self) -> None:
+        """The board went idle or to sleep: the next dispatch calls the wake hook first (call
+        on the event loop; from another thread through ``loop.call_soon_threadsafe``)."""
+        if self._wake_hook is not None:
+            self._wake_armed = True
+
+    def disarm_wake(self) -> None:
+        """The board is awake again by other means (a command, the governor): no wake needed."""
+        self._wake_armed = False
+
+    @property
+    def wake_armed(self) -> bool:
+        return self._wake_armed
+
+    def _start_wake(self) -> None:
+        if self._waking is not None:
+            return
+        hook = self._wake_hook
+        if hook is None:
+            self._wake_armed = False
+            return
+        self.wakes += 1
+        self._waking = asyncio.get_running_loop().create_task(self._wake(hook), name="wake")
+
+    async def _wake(self, hook: WakeHook) -> None:
+        try:
+            # Bounded with wait(), not wait_for(): a hook that swallows its cancellation must
+            # not hold the requests either. It is left to finish (or not) by itself.
+            hook_task = asyncio.ensure_future(hook())
+            done, _ = await asyncio.wait({hook_task}, timeout=self._wake_timeout_s)
+            if not done:
+                self.wake_timeouts += 1
+                log.warning("the wake hook did not finish within %.2f s: dispatching anyway",
+                            self._wake_timeout_s)
+                hook_task.cancel()
+            elif not hook_task.cancelled() and hook_task.exception() is not None:
+                log.error("the wake hook failed: dispatching anyway",
+                          exc_info=hook_task.exception())
+        finally:
+            self._wake_armed = False
+            self._waking = None
+            self._poke()
+
     # -- submission ---------------------------------------------------------------------
 
     def submit(self, inputs: Mapping[str, np.ndarray | DeferredArray], *,
@@ -333,6 +396,9 @@ class Batcher:
             self._expire(now)
             if not self._queued:
                 return None
+            if self._wake_armed:
+                self._start_wake()  # its end pokes the scheduler
+                return self._until_next_deadline(None, now)
             candidates = self._candidates()
             batch, total = candidates[0]
             full = total >= self.max_batch_size

@@ -1,0 +1,561 @@
+"""The power governor attached to a daemon: a supervised task whose thread steps the controller.
+
+:func:`attach_power` (the daemon calls it when ``[power] enabled``) makes a :class:`PowerService`,
+registers its background task ``power``, its control commands (``power.status``, ``power.set``,
+``power.wake``) and its metrics. Once the model serves, the task starts the power thread, where
+every read and write of the board's files happens (never on the event loop):
+
+1. the board is opened (``power/board.py``, over ``[power] root``);
+2. if ``<state_dir>/power/saved.json`` is there, the previous run did not stop cleanly (a crash,
+   a SIGKILL, a power loss with the file system kept): the board's limits it saved are put back
+   first; then the limits as they are now are saved there;
+3. the controller (``power/controller.py``) starts and is stepped every ``control_period_s``
+   with a :class:`~power.types.LoadSample` from the batchers' load and the
+   :class:`~power.types.Completion` of every answered request since the last step (a serving
+   observer collects them on the loop); telemetry is read every ``telemetry_period_s``;
+4. when the controller says the board is idle or sleeping, the batchers are armed: the first
+   request after that waits (at most ``wake_timeout_s``) for :meth:`PowerService.wake`, which
+   has the controller boost the board before the request is dispatched;
+5. on stop (the daemon's shutdown, or the thread's own failure) the controller stops, the
+   saved limits are restored and the file is removed.
+
+A failure of the power thread fails the task, which the supervisor logs and reports
+(``edge_agent_task_up{task="power"} 0``); the model serves on, on the board's restored limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from agent.config import PowerConfig
+from agent.errors import AgentError, InternalError, PowerError, first_line
+from agent.metrics import PowerMetrics
+from agent.observers import RequestDone, ServingObserver
+from agent.power.policy import POLICY_KEYS, policy_from_config, policy_to_json, with_changes
+from power.types import (
+    BoardControl,
+    Completion,
+    LoadSample,
+    PowerPolicy,
+    PowerState,
+    Telemetry,
+)
+
+if TYPE_CHECKING:
+    from agent.daemon import Daemon
+
+__all__ = ["POWER_SET", "POWER_STATUS", "POWER_WAKE", "PowerController", "PowerParts",
+           "PowerService", "SavedLimits", "attach_power"]
+
+log = logging.getLogger(__name__)
+
+POWER_STATUS = "power.status"
+POWER_SET = "power.set"
+POWER_WAKE = "power.wake"
+SAVED_NAME = "saved.json"
+MAX_COMPLETIONS = 10_000  # kept between two steps; beyond it the oldest are dropped
+THREAD_JOIN_S = 10.0
+CALL_TIMEOUT_S = 10.0  # a control command's call onto the power thread
+_SLEEPY = frozenset({PowerState.IDLE.value, PowerState.SLEEPING.value})
+
+
+class PowerController(Protocol):
+    """What the service drives (``power/controller.py``'s ``Controller``). Every method is
+    called on the power thread only. ``status()`` is JSON-able and has at least ``state`` (a
+    :class:`~power.types.PowerState` value) and ``point`` (the operating point in force, as
+    ``OperatingPoint.to_json``); ``decisions`` (a count) when the controller keeps one."""
+
+    def start(self) -> None: ...
+
+    def step(self, load: LoadSample, completions: Sequence[Completion]) -> Any: ...
+
+    def wake(self) -> None: ...
+
+    def set_policy(self, policy: PowerPolicy) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def stop(self) -> Any: ...
+
+
+def open_board(config: PowerConfig) -> BoardControl:
+    """The board under ``[power] root`` (``power/board.py``)."""
+    try:
+        from power.board import Board  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:
+        raise PowerError("the board layer (power/board.py) is not available",
+                         reason=str(exc)) from None
+    return Board.open(config.root)  # type: ignore[no-any-return]
+
+
+def make_controller(board: BoardControl, policy: PowerPolicy) -> PowerController:
+    """The governor's controller (``power/controller.py``) on ``board``."""
+    try:
+        from power.controller import (  # type: ignore[import-not-found,unused-ignore]
+            Controller,
+        )
+    except ImportError as exc:
+        raise PowerError("the power controller (power/controller.py) is not available",
+                         reason=str(exc)) from None
+    return Controller(board, policy)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class PowerParts:
+    """How the service gets its board and controller (injected by tests and the simulator)."""
+
+    open_board: Callable[[PowerConfig], BoardControl] = open_board
+    make_controller: Callable[[BoardControl, PowerPolicy], PowerController] = make_controller
+
+
+class SavedLimits:
+    """The board's limits as they were before the daemon changed them, on disk while it runs:
+    ``<state_dir>/power/saved.json``, written atomically (temporary, fsync, rename)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / SAVED_NAME
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        try:
+            saved = json.loads(text)
+        except ValueError as exc:
+            raise PowerError("the saved board limits are unreadable", path=self.path,
+                             reason=str(exc)) from None
+        if not isinstance(saved, dict) or not isinstance(saved.get("snapshot"), dict):
+            raise PowerError("the saved board limits are not a snapshot", path=self.path)
+        return saved["snapshot"]  # type: ignore[no-any-return]
+
+    def write(self, snapshot: dict[str, Any]) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(".tmp")
+        with open(temporary, "w", encoding="utf-8") as stream:
+            json.dump({"saved_at": time.time(), "snapshot": snapshot}, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+class _Completions(ServingObserver):
+    """Collects answered requests on the event loop for the power thread's next step."""
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[Completion] = collections.deque(maxlen=MAX_COMPLETIONS)
+
+    def request_done(self, event: RequestDone) -> None:
+        if event.outcome == "cancelled":
+            return
+        self.queue.append(Completion(time_s=time.monotonic(), total_s=event.total_s,
+                                     compute_s=event.compute_s,
+                                     ok=event.outcome == "success"))
+
+    def drain(self) -> list[Completion]:
+        taken = []
+        while True:
+            try:
+                taken.append(self.queue.popleft())
+            except IndexError:
+                return taken
+
+
+class PowerService:
+    """The power governor of one daemon. Cheap to construct; the task's :meth:`run` does the
+    work.
+
+    Args:
+        config: ``[power]``.
+        state_dir: The daemon's state directory (the saved limits go to ``power/`` in it).
+        parts: Where the board and the controller come from.
+        batchers: The batchers to wake and to read the load of (``agent.batcher.Batcher``).
+        observers: Where the answered requests are reported (the services' ``Observers``).
+    """
+
+    def __init__(self, config: PowerConfig, state_dir: Path, *,
+                 batchers: Callable[[], Sequence[Any]],
+                 observers: Callable[[], Sequence[Any]] = lambda: (),
+                 parts: PowerParts | None = None) -> None:
+        self.config = config
+        self.parts = parts or PowerParts()
+        self.saved = SavedLimits(state_dir / "power")
+        self.metrics = PowerMetrics(self.metrics_view)
+        self._batchers = batchers
+        self._observers = observers
+        self._controller: PowerController | None = None
+        self._policy = policy_from_config(config)
+        self._completions = _Completions()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]
+                                       | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failed: asyncio.Future[None] | None = None
+        self._running = False
+        self._status: dict[str, Any] = {"state": None}
+        self._telemetry: Telemetry | None = None
+        self._decisions = 0
+        self._wakes = 0
+        self._last_wake_s: float | None = None
+        self._restored_at_start = False
+        self._unsubscribe: list[Callable[[], None]] = []
+
+    # -- the task -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The daemon's ``power`` task: the power thread, until cancelled (then the board is
+        restored before this returns) or until the thread fails (this raises its error)."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._failed = loop.create_future()
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._thread_main, args=(started,),
+                                        name="power", daemon=True)
+        self._thread.start()
+        try:
+            await asyncio.wrap_future(started)  # the board opened and the controller started
+            self._attach_serving()
+            self._running = True
+            await asyncio.shield(self._failed)
+        finally:
+            self._running = False
+            self._detach_serving()
+            self._stopping.set()
+            self._calls.put(None)
+            thread = self._thread
+            if thread is not None:
+                await loop.run_in_executor(None, thread.join, THREAD_JOIN_S)
+                if thread.is_alive():
+                    log.error("the power thread did not end within %.0f s", THREAD_JOIN_S)
+
+    def _attach_serving(self) -> None:
+        for batcher in self._batchers():
+            batcher.set_wake_hook(self._wake_for_request, timeout_s=self.config.wake_timeout_s)
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        self._unsubscribe = [observers.subscribe(self._completions)
+                             for observers in self._observers()]
+
+    def _detach_serving(self) -> None:
+        for batcher in self._batchers():
+            batcher.set_wake_hook(None)
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self._unsubscribe = []
+
+    # -- the power thread -----------------------------------------------------------------------
+
+    def _thread_main(self, started: concurrent.futures.Future[None]) -> None:
+        board: BoardControl | None = None
+        controller: PowerController | None = None
+        snapshot: dict[str, Any] | None = None
+        error: BaseException | None = None
+        try:
+            board = self.parts.open_board(self.config)
+            snapshot = self._restore_left_over(board)
+            controller = self.parts.make_controller(board, self._policy)
+            controller.start()
+            self._controller = controller
+            self._after_step(controller)
+            self._telemetry = board.telemetry()
+            started.set_result(None)
+            self._loop_steps(board, controller)
+        except BaseException as exc:  # noqa: BLE001 - handed to the task, which raises it
+            error = exc
+        finally:
+            error = self._stop_board(board, controller, snapshot) or error
+            if not started.done():
+                started.set_exception(error or InternalError("the power thread ended early"))
+            elif error is not None or not self._stopping.is_set():
+                self._fail(error or InternalError("the power thread ended by itself"))
+
+    def _restore_left_over(self, board: BoardControl) -> dict[str, Any]:
+        """Put back what a run that did not stop cleanly left saved; save the limits now."""
+        left = self.saved.read()
+        if left is not None:
+            result = board.restore(left)
+            self._restored_at_start = True
+            log.warning("the previous run did not stop cleanly: the board's limits it saved "
+                        "were put back (%d files, %d did not read back)", result.writes,
+                        len(result.mismatches))
+            snapshot = left
+        else:
+            snapshot = board.snapshot()
+        self.saved.write(snapshot)
+        return snapshot
+
+    def _loop_steps(self, board: BoardControl, controller: PowerController) -> None:
+        period_s = self.config.control_period_s
+        next_step = time.monotonic() + period_s
+        next_telemetry = time.monotonic() + self.config.telemetry_period_s
+        while not self._stopping.is_set():
+            try:
+                call = self._calls.get(timeout=max(0.0, next_step - time.monotonic()))
+            except queue.Empty:
+                call = None
+            if call is not None:
+                function, future = call
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(function())
+                    except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                        future.set_exception(exc)
+                self._after_step(controller)
+                continue
+            if self._stopping.is_set():
+                break
+            now = time.monotonic()
+            if now < next_step:
+                continue
+            controller.step(self._load(now), self._completions.drain())
+            self._after_step(controller)
+            next_step = max(next_step + period_s, now)  # no burst of steps after a stall
+            if now >= next_telemetry:
+                self._telemetry = board.telemetry()
+                next_telemetry = now + self.config.telemetry_period_s
+
+    def _load(self, now: float) -> LoadSample:
+        snapshots = [batcher.load() for batcher in self._batchers()]
+        return LoadSample(time_s=now,
+                          queue_depth=sum(s.queue_depth for s in snapshots),
+                          busy_instances=sum(s.busy_instances for s in snapshots),
+                          instances=sum(s.instances for s in snapshots),
+                          arrivals_total=sum(s.arrivals_total for s in snapshots),
+                          completed_total=sum(s.completed_total for s in snapshots))
+
+    def _after_step(self, controller: PowerController) -> None:
+        status = controller.status()
+        before = self._status
+        if "decisions" in status:
+            self._decisions = int(status["decisions"])
+        elif before.get("point") is not None and status.get("point") != before.get("point"):
+            self._decisions += 1
+        self._status = status
+        state = status.get("state")
+        if state in _SLEEPY and before.get("state") not in _SLEEPY:
+            self._on_loop(self._arm)
+
+    def _stop_board(self, board: BoardControl | None, controller: PowerController | None,
+                    snapshot: dict[str, Any] | None) -> BaseException | None:
+        """Stop the controller and put the board back as it was; the first error, if any."""
+        error: BaseException | None = None
+        if controller is not None:
+            try:
+                controller.stop()
+            except Exception as exc:  # noqa: BLE001 - the board is restored all the same
+                log.error("the power controller failed to stop: %s", first_line(exc))
+                error = exc
+        if board is not None and snapshot is not None:
+            try:
+                result = board.restore(snapshot)
+                if result.mismatches:
+                    log.error("restoring the board left %d limits as they were not: %s",
+                              len(result.mismatches), result.mismatches[:3])
+                else:
+                    self.saved.clear()
+                    log.info("the board's limits are restored (%d files)", result.writes)
+            except Exception as exc:  # noqa: BLE001 - saved.json stays for the next start
+                log.error("restoring the board's limits failed (the next start tries again): "
+                          "%s", first_line(exc))
+                error = error or exc
+        return error
+
+    # -- the loop's side ------------------------------------------------------------------------
+
+    def _on_loop(self, callback: Callable[[], None]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(callback)
+            except RuntimeError:
+                pass  # the loop closed meanwhile: nothing left to arm
+
+    def _arm(self) -> None:
+        if self._running:
+            for batcher in self._batchers():
+                batcher.arm_wake()
+
+    def _fail(self, error: BaseException) -> None:
+        def fail() -> None:
+            if self._failed is not None and not self._failed.done():
+                self._failed.set_exception(error)
+        self._on_loop(fail)
+
+    async def _call(self, function: Callable[[], Any], what: str) -> Any:
+        """Run ``function`` on the power thread and return its result."""
+        if not self._running:
+            raise PowerError("the power governor is not running", command=what,
+                             state=self._status.get("state"))
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls.put((function, future))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise PowerError("the power thread did not answer", command=what,
+                             timeout_s=CALL_TIMEOUT_S) from None
+
+    async def _wake_for_request(self) -> None:
+        await self.wake("request")
+
+    async def wake(self, trigger: str) -> float:
+        """Have the controller wake the board (boost before the next request runs); returns
+        the seconds it took, which the wake histogram records by ``trigger``."""
+        started = time.monotonic()
+        await self._call(lambda: self._on_thread().wake(), f"wake ({trigger})")
+        seconds = time.monotonic() - started
+        self._wakes += 1
+        self._last_wake_s = seconds
+        self.metrics.observe_wake(trigger, seconds)
+        for batcher in self._batchers():
+            batcher.disarm_wake()
+        log.info("woke the board for a %s in %.1f ms", trigger, seconds * 1e3)
+        return seconds
+
+    def _on_thread(self) -> PowerController:
+        if self._controller is None:
+            raise InternalError("a power call ran before the controller started")
+        return self._controller
+
+    async def set_policy(self, changes: dict[str, Any], *, base: PowerConfig | None = None
+                         ) -> PowerPolicy:
+        """Apply ``changes`` (policy keys, JSON values) to ``base`` (default: the policy in
+        force) and hand the result to the controller.
+
+        Raises:
+            ConfigError: a bad key or value (nothing changes).
+            PowerError: the governor is not running.
+        """
+        current = base if base is not None else self._policy_config()
+        policy = policy_from_config(with_changes(current, changes))
+        await self._call(lambda: self._controller_set_policy(policy), "set")
+        self._policy = policy
+        return policy
+
+    def _controller_set_policy(self, policy: PowerPolicy) -> None:
+        self._on_thread().set_policy(policy)
+
+    def _policy_config(self) -> PowerConfig:
+        return dataclasses.replace(self.config, **{
+            name: value for name, value in (
+                ("power_cap_mw", self._policy.power_cap_mw or 0),
+                ("sleep_nvpmodel_mode", -1 if self._policy.sleep_nvpmodel_mode is None
+                 else self._policy.sleep_nvpmodel_mode),
+                *((name, getattr(self._policy, name)) for name in POLICY_KEYS
+                  if name not in ("power_cap_mw", "sleep_nvpmodel_mode")))})
+
+    def reload(self, config: PowerConfig) -> None:
+        """SIGHUP: the policy keys of a new ``[power]`` take effect (others need a restart)."""
+        self.config = dataclasses.replace(self.config, **{name: getattr(config, name)
+                                                         for name in POLICY_KEYS})
+        if self._running and self._loop is not None:
+            policy = policy_from_config(config)
+
+            async def apply() -> None:
+                try:
+                    await self._call(lambda: self._controller_set_policy(policy), "reload")
+                    self._policy = policy
+                except AgentError as exc:
+                    log.error("the reloaded power policy was not applied: %s", exc)
+            self._loop.create_task(apply(), name="power-reload")
+
+    # -- what it reports ------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The governor's state, the point in force, the policy and the latest telemetry."""
+        telemetry = self._telemetry
+        return {
+            "running": self._running,
+            "state": self._status.get("state"),
+            "controller": self._status,
+            "policy": policy_to_json(self._policy),
+            "decisions": self._decisions,
+            "wakes": self._wakes,
+            "last_wake_s": self._last_wake_s,
+            "restored_at_start": self._restored_at_start,
+            "telemetry": None if telemetry is None else telemetry_to_json(telemetry),
+        }
+
+    def reported(self) -> dict[str, Any]:
+        """``reported.power``: state, point, power and the hottest temperature."""
+        telemetry = self._telemetry
+        temps = [zone.temp_c for zone in (telemetry.thermal if telemetry else ())
+                 if zone.temp_c is not None]
+        return {
+            "state": self._status.get("state"),
+            "profile": self._policy.profile,
+            "point": self._status.get("point"),
+            "power_mw": telemetry.total_power_mw if telemetry else None,
+            "temperature_c": max(temps) if temps else None,
+        }
+
+    def metrics_view(self) -> dict[str, Any]:
+        return {"state": self._status.get("state"),
+                "states": [state.value for state in PowerState],
+                "decisions": self._decisions, "wakes": self._wakes,
+                "wake_timeouts": sum(getattr(batcher, "wake_timeouts", 0)
+                                     for batcher in self._batchers()),
+                "telemetry": self._telemetry}
+
+
+def telemetry_to_json(telemetry: Telemetry) -> dict[str, Any]:
+    """One reading as JSON (``power status``, ``power trace``)."""
+    result = dataclasses.asdict(telemetry)
+    result["thermal"] = [{"name": zone.name, "temp_c": zone.temp_c}
+                         for zone in telemetry.thermal]
+    result["cpu_freq_khz"] = list(telemetry.cpu_freq_khz)
+    return result
+
+
+def attach_power(daemon: Daemon, parts: PowerParts | None = None) -> PowerService:
+    """Give ``daemon`` its power governor: the ``power`` task, the ``power.*`` control commands
+    and the metrics (call before the start, when ``[power] enabled``)."""
+    config = daemon.config
+    service = PowerService(
+        config.power, config.state_dir, parts=parts,
+        batchers=lambda: [model.batcher for model in daemon.services.values()],
+        observers=lambda: [model.observers for model in daemon.services.values()])
+
+    async def status_command(args: dict[str, Any], emit: Any) -> dict[str, Any]:
+        return service.status()
+
+    async def set_command(args: dict[str, Any], emit: Any) -> dict[str, Any]:
+        changes = args.get("changes", {})
+        if not isinstance(changes, dict):
+            raise PowerError("power.set's changes must be an object of policy keys",
+                             found=type(changes).__name__)
+        await service.set_policy(changes)
+        return service.status()
+
+    async def wake_command(args: dict[str, Any], emit: Any) -> dict[str, Any]:
+        seconds = await service.wake("command")
+        return {"wake_s": seconds, **service.status()}
+
+    daemon.control.register(POWER_STATUS, status_command)
+    daemon.control.register(POWER_SET, set_command)
+    daemon.control.register(POWER_WAKE, wake_command)
+    daemon.add_task("power", service.run)
+    return service
