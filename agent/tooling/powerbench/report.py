@@ -79,7 +79,15 @@ def format_traces(summary: dict[str, Any]) -> list[str]:
              f"{_number(summary.get('saturated_rps'), 0)} req/s (max clocks' P99 at 80 % of the "
              "target)",
              f"{'trace':<10}{'strategy':<9}{'req':>6}{'mJ/inf':>9}{'avg W':>7}{'p50 ms':>8}"
-             f"{'p99 ms':>8}{'in SLO':>8}{'run':>5}{'chg/s':>7}{'wake ms':>9}{'sleep W':>8}"]
+             f"{'p99 ms':>8}{'in SLO':>8}{'run':>5}{'chg/s':>7}{'wake ms':>9}{'sleep W':>8}"
+             f"{'vs max':>8}{'vs stock':>9}"]
+
+    def saving(entry: dict[str, Any], other: dict[str, Any] | None) -> float | None:
+        if other is None or not other.get("energy_per_inference_mj") or \
+                entry.get("energy_per_inference_mj") is None:
+            return None
+        return 1 - entry["energy_per_inference_mj"] / other["energy_per_inference_mj"]
+
     for trace, by_strategy in summary["traces"].items():
         for name, entry in by_strategy.items():
             wake = max(entry["wake_ms"]) if entry["wake_ms"] else None
@@ -91,7 +99,9 @@ def format_traces(summary: dict[str, Any]) -> list[str]:
                 f"{_number(entry['p50_ms'], 1):>8}{_number(entry['p99_ms'], 1):>8}"
                 f"{_number(entry['slo_attainment'], 4):>8}{entry['max_consecutive_misses']:>5}"
                 f"{_number(entry['clock_changes_per_s'], 2):>7}{_number(wake, 1):>9}"
-                f"{_number(sleep, 2):>8}")
+                f"{_number(sleep, 2):>8}"
+                f"{_number(saving(entry, by_strategy.get('max')), 3):>8}"
+                f"{_number(saving(entry, by_strategy.get('stock')), 3):>9}")
     return lines
 
 

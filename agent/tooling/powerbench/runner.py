@@ -49,7 +49,6 @@ class PowerBenchOptions:
     # Near saturation: the rate at which max clocks' P99 is this share of the target (found by
     # bisection), i.e. close to the most load at which the target can be met at all.
     saturation_p99_share: float = 0.80
-    plot: Path | None = None
     strategies: tuple[str, ...] = STRATEGIES
 
 
@@ -246,7 +245,9 @@ def summarize(options: PowerBenchOptions, figures: dict[str, dict[str, dict[str,
     podgov_savings = [saving_vs(trace, "stock") for trace in podgov_met]
     known = [value for value in podgov_savings if value is not None]
     summary["podgov_meets_target_on"] = podgov_met
-    summary["energy_saving_vs_podgov"] = min(known) if known else None
+    summary["energy_saving_vs_podgov"] = min(known) if known else None  # the worst of them
+    summary["energy_saving_vs_podgov_by_trace"] = {
+        trace: saving_vs(trace, "stock") for trace in figures if "stock" in figures[trace]}
     missed_by_podgov = [trace for trace, by in figures.items()
                         if "stock" in by and not by["stock"]["meets_target"]]
     summary["energy_over_podgov_where_it_misses"] = {
