@@ -314,8 +314,13 @@ class Controller:
         must not wait for the governor to relearn the load), else the last point held active."""
         governor = self._require_governor()
         key = self._active_key
+        top = governor.capped_top(self._cap)
         if cold or key is None or not governor.model.ready:
-            return governor.top
+            return top
+        if self._cap is not None and (
+                (self._cap.gpu_max_hz is not None and key.gpu_hz > self._cap.gpu_max_hz)
+                or (self._cap.cpu_max_khz is not None and key.cpu_khz > self._cap.cpu_max_khz)):
+            return top
         return key
 
     def _park(self, now_s: float) -> Decision:

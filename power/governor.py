@@ -342,6 +342,10 @@ class Governor:
                 return False
         return True
 
+    def capped_top(self, cap: ThermalCap | None) -> PointKey:
+        """The top point under ``cap``."""
+        return self._capped_top(cap)
+
     def _capped_top(self, cap: ThermalCap | None) -> PointKey:
         if cap is None or (cap.gpu_max_hz is None and cap.cpu_max_khz is None):
             return self.top
@@ -446,9 +450,9 @@ class Governor:
                 or not self._allowed(current, cap):
             found = self.best(now, UP_HEADROOM, cap)
             key, p99 = found if found is not None else (top, None)
-            reason = "thermal cap" if current is not None and not self._allowed(current, cap) \
-                else "over target"
-            return self._go(Choice(key=key, reason=reason, predicted_s=p99), now)
+            capped = current is not None and not self._allowed(current, cap)
+            return self._go(Choice(key=key, reason="thermal cap" if capped else "over target",
+                                   predicted_s=p99, emergency=capped), now)
         # The point in force meets the target: move down only with slack, after a hold.
         if (now - self._last_change_s >= DOWN_HOLD_S and now - self._last_up_s >= DOWN_AFTER_UP_S
                 and now - self._last_down_check_s >= DOWN_CHECK_S):
