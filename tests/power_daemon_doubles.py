@@ -116,8 +116,10 @@ class StrictController:
     on :meth:`wake`, active on the next step. Every call must come from the thread that
     started it; every transition must be in ``TRANSITIONS``."""
 
-    def __init__(self, board: TreeBoard, policy: PowerPolicy, *,
+    def __init__(self, board: TreeBoard, policy: PowerPolicy, saved: Any, *,
                  wake_delay_s: float = 0.0) -> None:
+        self.saved = saved  # a power.saved.SavedSnapshot: what a crash must not lose
+        self.snapshot: dict[str, Any] | None = None
         self.board = board
         self.policy = policy
         self.wake_delay_s = wake_delay_s
@@ -150,6 +152,14 @@ class StrictController:
     def start(self) -> None:
         self.thread = threading.get_ident()
         self.events.append(("start", time.monotonic()))
+        left_over = self.saved.load()
+        if left_over is not None:  # the last run died: its original limits first
+            self.board.restore(left_over)
+            self.events.append(("restored left-over", time.monotonic()))
+            self.snapshot = left_over
+        else:
+            self.snapshot = self.board.snapshot()
+            self.saved.save(self.snapshot)
         self._apply(self.board.clock_table().gpu_hz[-1])
 
     def step(self, load: LoadSample, completions: Sequence[Completion]) -> None:
@@ -175,7 +185,10 @@ class StrictController:
             self._go(PowerState.SLEEPING)
             self._apply(self.board.clock_table().gpu_hz[0])
 
-    def wake(self) -> None:
+    def needs_wake(self) -> bool:
+        return self.state in (PowerState.IDLE, PowerState.SLEEPING)
+
+    def wake(self, reason: str = "request") -> None:
         self._check_thread()
         if self.state is PowerState.SLEEPING:
             self._go(PowerState.WAKING)
@@ -195,7 +208,11 @@ class StrictController:
     def status(self) -> dict[str, Any]:
         return {"state": self.state.value, "point": self.point.to_json(), "steps": self.steps}
 
-    def stop(self) -> None:
+    def stop(self) -> ApplyResult | None:
         self._check_thread()
         self.stopped = True
+        assert self.snapshot is not None
+        result = self.board.restore(self.snapshot)
+        self.saved.clear()
         self.events.append(("stop", time.monotonic()))
+        return result

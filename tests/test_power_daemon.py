@@ -30,7 +30,8 @@ from agent.control.client import ControlClient
 from agent.control.protocol import SOCKET_NAME
 from agent.daemon import Daemon
 from agent.observers import BatchDone, ServingObserver
-from agent.power.service import PowerParts, SavedLimits
+from agent.power.service import PowerParts
+from power.saved import SavedSnapshot
 from agent.run import run_foreground
 from agent.supervisor import TaskState
 from models.signing import load_private_key, write_keypair
@@ -154,8 +155,9 @@ class Parts:
             self.board = TreeBoard(self.tree)
             return self.board
 
-        def make_controller(board: Any, policy: Any) -> StrictController:
-            self.controller = StrictController(board, policy, wake_delay_s=self.wake_delay_s)
+        def make_controller(board: Any, policy: Any, saved: Any, config: Any) -> Any:
+            self.controller = StrictController(board, policy, saved,
+                                               wake_delay_s=self.wake_delay_s)
             return self.controller
 
         return PowerParts(open_board=open_board, make_controller=make_controller)
@@ -236,7 +238,7 @@ def test_a_request_after_sleep_wakes_the_board_before_it_runs_and_stop_restores(
         await until(lambda: daemon.power is not None
                     and daemon.power.status()["state"] == "sleeping")
         seen["asleep"] = gpu_limits(tree)
-        saved = SavedLimits(installed["config"].state_dir / "power")
+        saved = SavedSnapshot(installed["config"].state_dir / "power" / "saved.json")
         seen["saved"] = json.loads(saved.path.read_text())["snapshot"]
         controller = parts.controller
         assert controller is not None
@@ -278,7 +280,8 @@ def test_the_next_start_restores_what_a_killed_run_left(installed: dict[str, Any
     state_dir = installed["config"].state_dir
     # What a run killed while the board slept leaves: its saved limits, the board at its floor.
     board = TreeBoard(tree)
-    SavedLimits(state_dir / "power").write(board.snapshot())
+    (state_dir / "power").mkdir(parents=True)
+    SavedSnapshot(state_dir / "power" / "saved.json").save(board.snapshot())
     board.apply(OperatingPoint(gpu_min_hz=table[0], gpu_max_hz=table[0]))
     assert gpu_limits(tree) != original
     parts = Parts(tree)
@@ -321,3 +324,33 @@ def test_power_off_attaches_nothing(installed: dict[str, Any]) -> None:
     assert "power" not in [task.name for task in daemon.supervisor.status()]
     assert "power.status" not in daemon.control.commands
     daemon.close()
+
+
+def test_the_real_board_and_controller_govern_the_tree_and_stop_restores_it(
+        installed: dict[str, Any]) -> None:
+    """No doubles: power/board.py over the fake tree's files, power/controller.py's governor."""
+    tree: FakeTree = installed["tree"]
+    board_files = [f"{tree.gpu_freq_dir}/min_freq", f"{tree.gpu_freq_dir}/max_freq",
+                   *(f"{policy}/scaling_max_freq" for policy in tree.policies)]
+    original = {path: tree.get(path) for path in board_files}
+    daemon = Daemon(installed["config"])
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        loop = asyncio.get_running_loop()
+        await until(lambda: daemon.power is not None and daemon.power.status()["running"])
+        await until(lambda: daemon.power is not None
+                    and daemon.power.status()["state"] == "sleeping")
+        seen["asleep"] = {path: tree.get(path) for path in board_files}
+        for _ in range(3):
+            await loop.run_in_executor(None, infer, port)
+        seen["status"] = daemon.power.status() if daemon.power else None
+        seen["metrics"] = await loop.run_in_executor(None, scrape, port)
+
+    run_foreground(daemon, session=session)
+    assert seen["asleep"] != original  # the governor wrote the board's files
+    assert 'edge_agent_power_wake_duration_seconds_count{trigger="request"} 1.0' in seen[
+        "metrics"]
+    assert seen["status"]["wakes"] >= 1
+    assert {path: tree.get(path) for path in board_files} == original
+    assert not (installed["config"].state_dir / "power" / "saved.json").exists()

@@ -6,18 +6,20 @@ registers its background task ``power``, its control commands (``power.status``,
 every read and write of the board's files happens (never on the event loop):
 
 1. the board is opened (``power/board.py``, over ``[power] root``);
-2. if ``<state_dir>/power/saved.json`` is there, the previous run did not stop cleanly (a crash,
-   a SIGKILL, a power loss with the file system kept): the board's limits it saved are put back
-   first; then the limits as they are now are saved there;
-3. the controller (``power/controller.py``) starts and is stepped every ``control_period_s``
+2. the controller (``power/controller.py``) starts with ``<state_dir>/power/saved.json``
+   (``power/saved.py``) as its snapshot store: if the file is there, the previous run did not
+   stop cleanly (a crash, a SIGKILL, a power loss with the file system kept) and the limits it
+   saved are put back first; otherwise the limits as they are now are saved there;
+3. the controller is stepped every ``control_period_s``
    with a :class:`~power.types.LoadSample` from the batchers' load and the
    :class:`~power.types.Completion` of every answered request since the last step (a serving
    observer collects them on the loop); telemetry is read every ``telemetry_period_s``;
 4. when the controller says the board is idle or sleeping, the batchers are armed: the first
    request after that waits (at most ``wake_timeout_s``) for :meth:`PowerService.wake`, which
    has the controller boost the board before the request is dispatched;
-5. on stop (the daemon's shutdown, or the thread's own failure) the controller stops, the
-   saved limits are restored and the file is removed.
+5. on stop (the daemon's shutdown, or the thread's own failure) the controller stops: it
+   restores the saved limits and removes the file (which stays, for the next start, when the
+   restore fails).
 
 A failure of the power thread fails the task, which the supervisor logs and reports
 (``edge_agent_task_up{task="power"} 0``); the model serves on, on the board's restored limits.
@@ -29,9 +31,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -45,6 +45,7 @@ from agent.errors import AgentError, InternalError, PowerError, first_line
 from agent.metrics import PowerMetrics
 from agent.observers import RequestDone, ServingObserver
 from agent.power.policy import POLICY_KEYS, policy_from_config, policy_to_json, with_changes
+from power.saved import SavedSnapshot
 from power.types import (
     BoardControl,
     Completion,
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from agent.daemon import Daemon
 
 __all__ = ["POWER_SET", "POWER_STATUS", "POWER_WAKE", "PowerController", "PowerParts",
-           "PowerService", "SavedLimits", "attach_power"]
+           "PowerService", "attach_power"]
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +70,22 @@ SAVED_NAME = "saved.json"
 MAX_COMPLETIONS = 10_000  # kept between two steps; beyond it the oldest are dropped
 THREAD_JOIN_S = 10.0
 CALL_TIMEOUT_S = 10.0  # a control command's call onto the power thread
-_SLEEPY = frozenset({PowerState.IDLE.value, PowerState.SLEEPING.value})
 
 
 class PowerController(Protocol):
     """What the service drives (``power/controller.py``'s ``Controller``). Every method is
     called on the power thread only. ``status()`` is JSON-able and has at least ``state`` (a
     :class:`~power.types.PowerState` value) and ``point`` (the operating point in force, as
-    ``OperatingPoint.to_json``); ``decisions`` (a count) when the controller keeps one."""
+    ``OperatingPoint.to_json``), and ``changes`` (operating point changes so far) when the
+    controller counts them; its ``telemetry`` attribute is its latest reading, if it reads."""
 
     def start(self) -> None: ...
 
     def step(self, load: LoadSample, completions: Sequence[Completion]) -> Any: ...
 
-    def wake(self) -> None: ...
+    def needs_wake(self) -> bool: ...
+
+    def wake(self, reason: str = "request") -> None: ...
 
     def set_policy(self, policy: PowerPolicy) -> None: ...
 
@@ -92,25 +95,21 @@ class PowerController(Protocol):
 
 
 def open_board(config: PowerConfig) -> BoardControl:
-    """The board under ``[power] root`` (``power/board.py``)."""
-    try:
-        from power.board import Board  # type: ignore[import-not-found,unused-ignore]
-    except ImportError as exc:
-        raise PowerError("the board layer (power/board.py) is not available",
-                         reason=str(exc)) from None
-    return Board.open(config.root)  # type: ignore[no-any-return]
+    """The board under ``[power] root`` (``power/board.py``), of the profile ``[power] board``
+    names, or identified from its device tree."""
+    from power.board import Board
+    from power.profiles import profile
+
+    return Board.open(config.root, profile=profile(config.board) if config.board else None)
 
 
-def make_controller(board: BoardControl, policy: PowerPolicy) -> PowerController:
+def make_controller(board: BoardControl, policy: PowerPolicy, saved: SavedSnapshot,
+                    config: PowerConfig) -> PowerController:
     """The governor's controller (``power/controller.py``) on ``board``."""
-    try:
-        from power.controller import (  # type: ignore[import-not-found,unused-ignore]
-            Controller,
-        )
-    except ImportError as exc:
-        raise PowerError("the power controller (power/controller.py) is not available",
-                         reason=str(exc)) from None
-    return Controller(board, policy)  # type: ignore[no-any-return]
+    from power.controller import Controller
+
+    return Controller(board, policy, saved=saved,
+                      telemetry_period_s=config.telemetry_period_s)
 
 
 @dataclass(frozen=True)
@@ -118,46 +117,8 @@ class PowerParts:
     """How the service gets its board and controller (injected by tests and the simulator)."""
 
     open_board: Callable[[PowerConfig], BoardControl] = open_board
-    make_controller: Callable[[BoardControl, PowerPolicy], PowerController] = make_controller
-
-
-class SavedLimits:
-    """The board's limits as they were before the daemon changed them, on disk while it runs:
-    ``<state_dir>/power/saved.json``, written atomically (temporary, fsync, rename)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / SAVED_NAME
-
-    def read(self) -> dict[str, Any] | None:
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return None
-        try:
-            saved = json.loads(text)
-        except ValueError as exc:
-            raise PowerError("the saved board limits are unreadable", path=self.path,
-                             reason=str(exc)) from None
-        if not isinstance(saved, dict) or not isinstance(saved.get("snapshot"), dict):
-            raise PowerError("the saved board limits are not a snapshot", path=self.path)
-        return saved["snapshot"]  # type: ignore[no-any-return]
-
-    def write(self, snapshot: dict[str, Any]) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".tmp")
-        with open(temporary, "w", encoding="utf-8") as stream:
-            json.dump({"saved_at": time.time(), "snapshot": snapshot}, stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, self.path)
-        directory = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-
-    def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
+    make_controller: Callable[[BoardControl, PowerPolicy, SavedSnapshot, PowerConfig],
+                              PowerController] = make_controller
 
 
 class _Completions(ServingObserver):
@@ -200,7 +161,7 @@ class PowerService:
                  parts: PowerParts | None = None) -> None:
         self.config = config
         self.parts = parts or PowerParts()
-        self.saved = SavedLimits(state_dir / "power")
+        self.saved = SavedSnapshot(state_dir / "power" / SAVED_NAME)
         self.metrics = PowerMetrics(self.metrics_view)
         self._batchers = batchers
         self._observers = observers
@@ -220,6 +181,7 @@ class PowerService:
         self._wakes = 0
         self._last_wake_s: float | None = None
         self._restored_at_start = False
+        self._needs_wake = False
         self._unsubscribe: list[Callable[[], None]] = []
 
     # -- the task -------------------------------------------------------------------------------
@@ -270,43 +232,34 @@ class PowerService:
     # -- the power thread -----------------------------------------------------------------------
 
     def _thread_main(self, started: concurrent.futures.Future[None]) -> None:
-        board: BoardControl | None = None
         controller: PowerController | None = None
-        snapshot: dict[str, Any] | None = None
         error: BaseException | None = None
         try:
             board = self.parts.open_board(self.config)
-            snapshot = self._restore_left_over(board)
-            controller = self.parts.make_controller(board, self._policy)
+            self.saved.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Left by a run that did not stop: the controller's start puts it back first.
+            self._restored_at_start = self.saved.load() is not None
+            controller = self.parts.make_controller(board, self._policy, self.saved,
+                                                    self.config)
             controller.start()
             self._controller = controller
             self._after_step(controller)
-            self._telemetry = board.telemetry()
+            self._read_telemetry(board, controller)
             started.set_result(None)
             self._loop_steps(board, controller)
         except BaseException as exc:  # noqa: BLE001 - handed to the task, which raises it
             error = exc
         finally:
-            error = self._stop_board(board, controller, snapshot) or error
+            error = self._stop_controller(controller) or error
             if not started.done():
                 started.set_exception(error or InternalError("the power thread ended early"))
             elif error is not None or not self._stopping.is_set():
                 self._fail(error or InternalError("the power thread ended by itself"))
 
-    def _restore_left_over(self, board: BoardControl) -> dict[str, Any]:
-        """Put back what a run that did not stop cleanly left saved; save the limits now."""
-        left = self.saved.read()
-        if left is not None:
-            result = board.restore(left)
-            self._restored_at_start = True
-            log.warning("the previous run did not stop cleanly: the board's limits it saved "
-                        "were put back (%d files, %d did not read back)", result.writes,
-                        len(result.mismatches))
-            snapshot = left
-        else:
-            snapshot = board.snapshot()
-        self.saved.write(snapshot)
-        return snapshot
+    def _read_telemetry(self, board: BoardControl, controller: PowerController) -> None:
+        """The controller's own latest reading where it reads telemetry, else the board's."""
+        reading = getattr(controller, "telemetry", None)
+        self._telemetry = reading if isinstance(reading, Telemetry) else board.telemetry()
 
     def _loop_steps(self, board: BoardControl, controller: PowerController) -> None:
         period_s = self.config.control_period_s
@@ -335,7 +288,7 @@ class PowerService:
             self._after_step(controller)
             next_step = max(next_step + period_s, now)  # no burst of steps after a stall
             if now >= next_telemetry:
-                self._telemetry = board.telemetry()
+                self._read_telemetry(board, controller)
                 next_telemetry = now + self.config.telemetry_period_s
 
     def _load(self, now: float) -> LoadSample:
@@ -350,39 +303,34 @@ class PowerService:
     def _after_step(self, controller: PowerController) -> None:
         status = controller.status()
         before = self._status
-        if "decisions" in status:
-            self._decisions = int(status["decisions"])
+        if isinstance(status.get("changes"), int):
+            self._decisions = status["changes"]
         elif before.get("point") is not None and status.get("point") != before.get("point"):
             self._decisions += 1
         self._status = status
-        state = status.get("state")
-        if state in _SLEEPY and before.get("state") not in _SLEEPY:
+        needs_wake = controller.needs_wake()
+        if needs_wake and not self._needs_wake:
             self._on_loop(self._arm)
+        self._needs_wake = needs_wake
 
-    def _stop_board(self, board: BoardControl | None, controller: PowerController | None,
-                    snapshot: dict[str, Any] | None) -> BaseException | None:
-        """Stop the controller and put the board back as it was; the first error, if any."""
-        error: BaseException | None = None
-        if controller is not None:
-            try:
-                controller.stop()
-            except Exception as exc:  # noqa: BLE001 - the board is restored all the same
-                log.error("the power controller failed to stop: %s", first_line(exc))
-                error = exc
-        if board is not None and snapshot is not None:
-            try:
-                result = board.restore(snapshot)
-                if result.mismatches:
-                    log.error("restoring the board left %d limits as they were not: %s",
-                              len(result.mismatches), result.mismatches[:3])
-                else:
-                    self.saved.clear()
-                    log.info("the board's limits are restored (%d files)", result.writes)
-            except Exception as exc:  # noqa: BLE001 - saved.json stays for the next start
-                log.error("restoring the board's limits failed (the next start tries again): "
-                          "%s", first_line(exc))
-                error = error or exc
-        return error
+    def _stop_controller(self, controller: PowerController | None) -> BaseException | None:
+        """Stop the controller, which puts the board's saved limits back; its error, if any
+        (the saved file then stays, and the next start restores from it)."""
+        if controller is None:
+            return None
+        try:
+            result = controller.stop()
+        except Exception as exc:  # noqa: BLE001 - reported as the task's failure
+            log.error("the power controller failed to stop and restore the board (the next "
+                      "start restores it): %s", first_line(exc))
+            return exc
+        mismatches = getattr(result, "mismatches", ())
+        if mismatches:
+            log.error("restoring the board left %d limit(s) different: %s", len(mismatches),
+                      ", ".join(str(getattr(m, "path", m)) for m in mismatches[:5]))
+        else:
+            log.info("the board's limits are restored")
+        return None
 
     # -- the loop's side ------------------------------------------------------------------------
 
@@ -425,7 +373,7 @@ class PowerService:
         """Have the controller wake the board (boost before the next request runs); returns
         the seconds it took, which the wake histogram records by ``trigger``."""
         started = time.monotonic()
-        await self._call(lambda: self._on_thread().wake(), f"wake ({trigger})")
+        await self._call(lambda: self._on_thread().wake(trigger), f"wake ({trigger})")
         seconds = time.monotonic() - started
         self._wakes += 1
         self._last_wake_s = seconds
