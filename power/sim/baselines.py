@@ -1,7 +1,7 @@
 """SIMULATION: the baselines the power benchmark compares the governor with.
 
-* :class:`MaxClocks` (``max``): what ``jetson_clocks`` does to the tree -- every CPU policy's and
-  the GPU's minimum and maximum at the mode's top, EMC locked at its top rate, the GPU rail kept on
+* :class:`MaxClocks` (``max``): ``jetson_clocks`` on the tree -- every CPU policy's and the GPU's
+  minimum and maximum at the mode's top, EMC locked at its top rate -- and the GPU rail kept on
   (pinned clocks; the reference's MAXN idle figure is taken as such a board).
 * :class:`StockGovernors` (``stock``): nothing: the board's own governors decide (podgov for the
   GPU, schedutil for the CPUs, EMC unlocked, rail gating on), as :mod:`power.sim.podgov` and
@@ -15,12 +15,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from power.io import FileWriter, Writer
+from power.jetson_clocks import JetsonClocks
 from power.sim.board import SimBoard
+from power.sim.commands import FakeCommands
 from power.types import Completion, LoadSample
 
 
 class MaxClocks:
-    """``jetson_clocks``' effect on the tree: the writes it makes, in its order."""
+    """``jetson_clocks`` run on the tree (the board layer's
+    :class:`~power.jetson_clocks.JetsonClocks` through the strict fake command of
+    ``power/sim/commands.py``), then the GPU rail kept on.
+
+    Keeping the rail on is our assumption, not a documented effect of ``jetson_clocks``: it is
+    what makes the simulated pinned idle the reference's 9.1 W MAXN idle figure (taken as
+    pinned); with the rail allowed to gate, the pinned board would idle near 6.3 W instead.
+    """
 
     name = "max"
 
@@ -29,23 +38,10 @@ class MaxClocks:
         self._writer: Writer = writer if writer is not None else FileWriter(board.root)
 
     def start(self, now_s: float) -> None:
-        board = self._board
-        gpu = board.gpu_paths
-        top_gpu = board._limits(gpu.freq_dir, "min_freq", "max_freq", gpu.table_hz)[1]
-        self._writer.write(f"{gpu.freq_dir}/max_freq", str(top_gpu))
-        self._writer.write(f"{gpu.freq_dir}/min_freq", str(top_gpu))
-        for policy in board.paths.cpu:
-            top_cpu = board._limits(policy.path, "scaling_min_freq", "scaling_max_freq",
-                                    policy.table_khz)[1]
-            self._writer.write(f"{policy.path}/scaling_max_freq", str(top_cpu))
-            self._writer.write(f"{policy.path}/scaling_min_freq", str(top_cpu))
-        emc = board.paths.emc
-        if emc is not None:
-            self._writer.write(f"{emc.path}/mrq_rate_locked", "1")
-            self._writer.write(f"{emc.path}/rate", str(board._emc_unlocked_hz()))
-        if gpu.railgate_file is not None:
-            self._writer.write(gpu.railgate_file,
-                               "on" if gpu.railgate_file.endswith("power/control") else "0")
+        JetsonClocks(FakeCommands(self._board.root, self._writer)).pin()
+        railgate = self._board.gpu_paths.railgate_file
+        if railgate is not None:
+            self._writer.write(railgate, "on" if railgate.endswith("power/control") else "0")
 
     def step(self, load: LoadSample, completions: Sequence[Completion]) -> None:
         pass
