@@ -267,10 +267,24 @@ class Board:
                                  board=self.name, value=value,
                                  expected=f"one of {entries[0]}..{entries[-1]} {unit} "
                                           f"({len(entries)} entries)")
-        for low, high, what in ((point.gpu_min_hz, point.gpu_max_hz, "gpu"),
-                                (point.cpu_min_khz, point.cpu_max_khz, "cpu")):
+        for low, high, what, limits in (
+                (point.gpu_min_hz, point.gpu_max_hz, "gpu", self.gpu.limits if self.gpu else None),
+                (point.cpu_min_khz, point.cpu_max_khz, "cpu",
+                 self.cpu[0].limits if self.cpu else None)):
+            if low is None and high is None:
+                continue
+            if (low is None or high is None) and limits is not None:
+                # One limit given: it must not cross the one left as it is.
+                try:
+                    cur_low, cur_high = limits.read(self.root)
+                except (OSError, ValueError):
+                    continue  # unreadable: the write step reports it
+                low = cur_low if low is None else low
+                high = cur_high if high is None else high
             if low is not None and high is not None and low > high:
-                raise PowerError(f"{what} minimum above its maximum", minimum=low, maximum=high)
+                raise PowerError(f"{what} minimum above its maximum (a limit given alone is "
+                                 "checked against the other's current value)", minimum=low,
+                                 maximum=high)
         if point.emc_hz and table.emc_hz and point.emc_hz not in table.emc_hz:
             raise PowerError("emc_hz is not a rate this board's EMC accepts (in Hz; 0 unlocks)",
                              board=self.name, value=point.emc_hz,
@@ -369,7 +383,17 @@ class _Step:
              action: Callable[[], tuple[int, list[Mismatch]]]) -> None:
         try:
             writes, mismatches = action()
+        except PowerError as exc:  # the writer refused (a privileged helper's rules): for good
+            reason = f"writer refused {path}: {exc}"
+            log.warning("power control %s degraded: %s", control, reason)
+            self.board._problems[control] = reason
+            self.unsupported.append(f"{control}: {reason}")
+            return
         except OSError as exc:
+            if exc.errno == errno.EBUSY and control == "cpu":
+                # A cpufreq policy whose CPUs are all offline (AGX Orin's 15W and 30W modes)
+                # answers EBUSY: nothing to set there until nvpmodel brings its CPUs back.
+                return
             where = exc.filename or path
             if _degrades(exc):
                 reason = _reason(exc, str(where))
@@ -405,10 +429,7 @@ class _Step:
             cur_min, cur_max = limits.read(board.root)
             low = cur_min if new_min is None else new_min
             high = cur_max if new_max is None else new_max
-            if low > high:  # only one limit given, beyond the other's current value
-                raise PowerError(f"{control} limit would cross the other one", minimum=low,
-                                 maximum=high, path=limits.min_path)
-            return limits.set(board.root, board.writer, low, high)
+            return limits.set(board.root, board.writer, min(low, high), high)
 
         self._run(control, limits.max_path, action)
 

@@ -240,3 +240,61 @@ def test_restore_refuses_another_boards_snapshot_or_foreign_files(tmp_path: Path
         nano.restore(forged)
     with pytest.raises(PowerError, match="not a board snapshot"):
         nano.restore({"format": 99})
+
+
+def test_clusters_taken_offline_by_a_mode_are_skipped_not_reported(tmp_path: Path) -> None:
+    """AGX Orin's MODE_15W keeps 4 of 12 cores: policies 4 and 8 have no CPU online and their
+    files answer EBUSY until the mode changes."""
+    from power.sim.commands import FakeCommands
+
+    tree = fake_board(tmp_path, "agx-orin-64gb", 6)
+    kernel = FakeKernel(tree.root, 6)
+    board = Board.open(tree.root, writer=kernel, runner=FakeCommands(tree.root, kernel))
+    assert board.apply(OperatingPoint(nvpmodel_mode=1)).ok
+    assert tree.get("sys/devices/system/cpu/cpu4/online") == "0"
+    with pytest.raises(OSError) as caught:
+        kernel.write(f"{tree.policies[1]}/scaling_max_freq", "960000")
+    assert caught.value.errno == errno.EBUSY
+    result = board.apply(OperatingPoint(cpu_min_khz=729600, cpu_max_khz=960000))
+    assert result.ok and not result.unsupported and board.capabilities()["cpu"] is None
+    assert tree.get(f"{tree.policies[0]}/scaling_max_freq") == "960000"
+    assert board.apply(OperatingPoint(nvpmodel_mode=0)).ok  # MAXN: all 12 back
+    assert board.apply(OperatingPoint(cpu_max_khz=960000)).ok
+    assert all(tree.get(f"{policy}/scaling_max_freq") == "960000" for policy in tree.policies)
+
+
+def test_a_limit_given_alone_may_not_cross_the_other(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)  # 25W: GPU max 918 MHz
+    board, kernel = open_board(tree)
+    with pytest.raises(PowerError, match="minimum above its maximum"):
+        board.apply(OperatingPoint(gpu_min_hz=1020000000))
+    assert kernel.log == []
+    assert board.apply(OperatingPoint(gpu_min_hz=918000000)).applied.gpu_min_hz == 918000000
+
+
+class RefusingWriter(FakeKernel):
+    """A privileged helper whose rules refuse the EMC (it raises PowerError, as
+    power/helper_client.py does for a refused request)."""
+
+    def write(self, relpath: str, value: str) -> None:
+        if relpath.startswith(EMC):
+            raise PowerError("the power helper refused: not allowed", path=relpath)
+        super().write(relpath, value)
+
+
+def test_a_writer_that_refuses_degrades_that_control_only(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board = Board.open(tree.root, writer=RefusingWriter(tree.root, 6))
+    result = board.apply(OperatingPoint(emc_hz=204000000, gpu_max_hz=612000000))
+    assert result.applied.gpu_max_hz == 612000000
+    assert len(result.unsupported) == 1 and result.unsupported[0].startswith(
+        "emc: writer refused")
+    assert board.capabilities()["emc"] is not None
+
+
+def test_a_sentinel_temperature_is_no_reading(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    tree.set(f"{tree.zones['soc0-thermal']}/temp", -256000)
+    board, _ = open_board(tree)
+    zones = {zone.name: zone.temp_c for zone in board.telemetry().thermal}
+    assert zones["soc0"] is None and zones["soc1"] == 48.0

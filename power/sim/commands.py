@@ -15,6 +15,7 @@ the EMC locked.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -99,15 +100,28 @@ class FakeCommands:
             return CommandResult(argv=args, returncode=0, stdout=(
                 "NVPM WARN: Reboot required for changing to this power mode\n"))
         clocks: dict[str, dict[str, int]] = {}
+        files: list[tuple[str, int]] = []
+        for param, argument, number in mode.settings:
+            spec = conf.params[param]
+            if spec.kind == "FILE":
+                files.append((_rel(spec.paths[argument]), number))
+            else:
+                clocks.setdefault(param, {})[argument] = number
         try:
-            for param, argument, number in mode.settings:
-                spec = conf.params[param]
-                if spec.kind == "FILE":
-                    self.writer.write(_rel(spec.paths[argument]), str(number))
-                else:
-                    clocks.setdefault(param, {})[argument] = number
+            # CPUs come online before their clusters' clocks are set and go offline after: a
+            # policy with no CPU online refuses its limits (EBUSY).
+            for file, number in files:
+                if number != 0:
+                    self.writer.write(file, str(number))
             for param, limits in clocks.items():
-                self._clock(conf, param, limits)
+                try:
+                    self._clock(conf, param, limits)
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        raise
+            for file, number in files:
+                if number == 0:
+                    self.writer.write(file, "0")
         except OSError as exc:
             return CommandResult(argv=args, returncode=1,
                                  stdout=f"NVPM ERROR: failed to write {exc.filename}: "

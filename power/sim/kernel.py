@@ -18,7 +18,8 @@ Rules by JetPack release (``docs/reference/power_anchors.md`` section 3):
   entry inside them); an EMC ``rate`` is taken only while ``mrq_rate_locked`` is 1, rounded up to
   a ``possible_rates`` entry [I]; ``railgate_enable`` takes 0/1 and ``power/control`` auto/on,
   anything else is ``EINVAL``; a file the kernel does not let anyone write (``cur_freq``, a
-  temperature) fails with ``EACCES``, a missing one with ``ENOENT``.
+  temperature) fails with ``EACCES``, a missing one with ``ENOENT``; a cpufreq policy whose CPUs
+  are all offline answers ``EBUSY``.
 
 ``read_only``: paths that fail with ``EACCES`` as a root-only file does for a user (the tests run
 as root, where a chmod would not stop a write). Every accepted write is appended to :attr:`log`.
@@ -137,6 +138,10 @@ class FakeKernel:
         self._move_cur(f"{folder}/cur_freq", table, new_min, new_max)
 
     def _cpufreq(self, path: Path, folder: str, name: str, value: int) -> None:
+        cpus = read_text(self.root, f"{folder}/related_cpus").split()
+        cpu_dir = folder.rsplit("/", 2)[0]
+        if all(read_text(self.root, f"{cpu_dir}/cpu{cpu}/online") == "0" for cpu in cpus):
+            raise _error(errno.EBUSY, path)  # an inactive policy (all its CPUs offline)
         table = self._table(f"{folder}/scaling_available_frequencies")
         low = read_int(self.root, f"{folder}/cpuinfo_min_freq")
         high = read_int(self.root, f"{folder}/cpuinfo_max_freq")

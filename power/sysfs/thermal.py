@@ -18,6 +18,9 @@ def zone_name(zone_type: str) -> str:
     return zone_type
 
 
+OFFLINE_BELOW_C = -40.0  # below any Jetson's operating range: a sentinel such as -256000 m°C
+
+
 class ThermalZones:
     def __init__(self, root: Path, zone_dirs: tuple[str, ...]) -> None:
         self.root = root
@@ -49,5 +52,7 @@ class ThermalZones:
                 temp_c: float | None = read_int(self.root, temp_path) / 1000.0
             except (OSError, ValueError):
                 temp_c = None
+            if temp_c is not None and temp_c <= OFFLINE_BELOW_C:
+                temp_c = None  # -256 °C: the driver's "no reading", not a temperature
             zones.append(ThermalZone(name=name, temp_c=temp_c, trips_c=trips))
         return tuple(zones)
