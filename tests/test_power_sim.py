@@ -292,3 +292,17 @@ def test_one_apply_moving_several_clocks_is_one_point_change(tmp_path: Path) -> 
     assert board.clock_changes == clocks + 2
     board.sync()  # nothing written since: nothing re-read, nothing changed
     assert board.point_changes == points + 1
+
+
+def test_max_clocks_may_let_the_rail_gate_for_the_sensitivity_run(tmp_path: Path) -> None:
+    idle_mw = {}
+    for keep in (True, False):
+        board, kernel = _board(tmp_path / str(keep))
+        MaxClocks(board, kernel, keep_rail_on=keep).start(0.0)
+        board.sync()
+        board.advance(2.0)
+        assert board.gpu_on is keep
+        assert board.effective() == (TOP_GPU, TOP_CPU, TOP_EMC)
+        idle_mw[keep] = board.power_now_mw()
+    assert idle_mw[True] == pytest.approx(9100, rel=0.02)  # the pinned-idle anchor
+    assert idle_mw[False] < idle_mw[True] - 2000

@@ -240,6 +240,10 @@ def register_power(kinds: argparse._SubParsersAction) -> None:
     power.add_argument("--target-ms", type=float, default=50.0, metavar="MS",
                        help="the P99 latency target")
     power.add_argument("--quick", action="store_true", help="short traces (tests)")
+    power.add_argument("--max-rail-gating", action="store_true",
+                       help="let the max baseline's GPU rail gate when idle (default: kept on, "
+                            "as the pinned-idle anchor is read); shows how much the figures "
+                            "against max depend on that")
     power.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
     power.add_argument("--plot", type=Path, metavar="PNG",
                        help="the plot (default: next to --json, else none)")
@@ -257,7 +261,8 @@ def run_power(args: argparse.Namespace) -> int:
     check_json_path(plot)
     options = PowerBenchOptions(board=args.board, jetpack=args.jetpack, mode_id=args.mode,
                                 seed=args.seed, quick=args.quick,
-                                latency_target_s=args.target_ms / 1000)
+                                latency_target_s=args.target_ms / 1000,
+                                max_keeps_rail_on=not args.max_rail_gating)
     summary, outcomes = run_bench(options)
     check_targets(summary)
     if plot is not None:

@@ -33,14 +33,16 @@ class MaxClocks:
 
     name = "max"
 
-    def __init__(self, board: SimBoard, writer: Writer | None = None) -> None:
+    def __init__(self, board: SimBoard, writer: Writer | None = None, *,
+                 keep_rail_on: bool = True) -> None:
         self._board = board
         self._writer: Writer = writer if writer is not None else FileWriter(board.root)
+        self._keep_rail_on = keep_rail_on
 
     def start(self, now_s: float) -> None:
         JetsonClocks(FakeCommands(self._board.root, self._writer)).pin()
         railgate = self._board.gpu_paths.railgate_file
-        if railgate is not None:
+        if railgate is not None and self._keep_rail_on:
             self._writer.write(railgate, "on" if railgate.endswith("power/control") else "0")
 
     def step(self, load: LoadSample, completions: Sequence[Completion]) -> None:

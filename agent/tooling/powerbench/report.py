@@ -77,7 +77,9 @@ def format_traces(summary: dict[str, Any]) -> list[str]:
              f"of up to {summary['max_batch']}, capacity at max clocks "
              f"{summary['capacity_rps_at_max']:.0f} req/s; near saturation "
              f"{_number(summary.get('saturated_rps'), 0)} req/s (max clocks' P99 at 80 % of the "
-             "target)",
+             "target)"
+             + ("" if summary.get("max_keeps_rail_on", True)
+                else "; max clocks' GPU rail allowed to gate"),
              f"{'trace':<10}{'strategy':<9}{'req':>6}{'mJ/inf':>9}{'avg W':>7}{'p50 ms':>8}"
              f"{'p99 ms':>8}{'in SLO':>8}{'run':>5}{'chg/s':>7}{'wake ms':>9}{'sleep W':>8}"
              f"{'vs max':>8}{'vs stock':>9}"]

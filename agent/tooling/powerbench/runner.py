@@ -50,6 +50,9 @@ class PowerBenchOptions:
     # bisection), i.e. close to the most load at which the target can be met at all.
     saturation_p99_share: float = 0.80
     strategies: tuple[str, ...] = STRATEGIES
+    # The max baseline keeps the GPU rail on (the 9.1 W pinned idle anchor); False: it may gate,
+    # the sensitivity of every "vs max" figure to that assumption.
+    max_keeps_rail_on: bool = True
 
 
 @dataclass
@@ -110,7 +113,7 @@ def make_traces(options: PowerBenchOptions) -> list[Trace]:
 def _strategy(name: str, board: SimBoard, options: PowerBenchOptions, writer: FakeKernel
               ) -> Strategy:
     if name == "max":
-        return MaxClocks(board, writer)
+        return MaxClocks(board, writer, keep_rail_on=options.max_keeps_rail_on)
     if name == "stock":
         return StockGovernors()
     policy = PowerPolicy(latency_target_s=options.latency_target_s,
@@ -222,6 +225,7 @@ def summarize(options: PowerBenchOptions, figures: dict[str, dict[str, dict[str,
         "quick": options.quick,
         "latency_target_ms": 1000 * options.latency_target_s,
         "max_batch": options.max_batch,
+        "max_keeps_rail_on": options.max_keeps_rail_on,
         "capacity_rps_at_max": capacity_rps(options),
         "saturated_rps": figures.get("saturated", {}).get("max", {}).get("arrival_rps"),
         "traces": figures,
