@@ -30,6 +30,7 @@ SUBCOMMAND_MODULES = (
     "agent.cli.bundle",
     "agent.cli.serve",
     "agent.cli.update",
+    "agent.cli.power",
     "agent.cli.fleet",
     "agent.cli.demo",
     "agent.cli.bench",
