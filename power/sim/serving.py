@@ -122,23 +122,24 @@ def run_serving(board: SimBoard, trace: Trace, strategy: Strategy, *, config: Se
     while True:
         now = board.now_s
         arrival_s = arrivals[next_arrival] if next_arrival < len(arrivals) else math.inf
-        batch_s = math.inf
+        ready_s = done_s = math.inf  # the batch's GPU ready (after an unrailgate), its end
         if batch is not None:
-            batch_s = batch.ready_s if now < batch.ready_s else now + batch.remaining / \
-                batch.rate_per_s
+            if now < batch.ready_s:
+                ready_s = batch.ready_s
+            else:
+                done_s = now + batch.remaining / batch.rate_per_s
         if arrival_s == math.inf and batch is None and not queue and now >= end_s:
             break
         if now >= end_s + config.drain_s:
             break
-        when = min(arrival_s, batch_s, next_step_s, board.next_event_s(),
+        when = min(arrival_s, ready_s, done_s, next_step_s, board.next_event_s(),
                    max(end_s, now) if now < end_s else math.inf)
         if batch is not None and now >= batch.ready_s:
             batch.remaining -= batch.rate_per_s * (when - now)
         board.advance(when)
         now = when
 
-        if batch is not None and now >= batch.ready_s - EPSILON_S and \
-                batch.remaining <= 1e-9 + 1e-12 * batch.rate_per_s:
+        if batch is not None and when == done_s:
             size = len(batch.arrivals_s)
             ideal = compute_s(physics, gpu_hz=top_gpu, cpu_khz=top_cpu, emc_hz=top_emc,
                               batch_size=size) * batch.noise
