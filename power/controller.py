@@ -42,7 +42,9 @@ PROFILES = ("governed", "max", "min", "stock")
 TELEMETRY_PERIOD_S = 1.0  # a full telemetry read, at most this often
 SETTLE_S = 0.010  # a clock change is in force this long after its write (GPU 5 ms, EMC 8 ms)
 DECISIONS_KEPT = 64
-COLD_AFTER_S = 8.0  # idle this long: a wake boosts to the top point
+COLD_AFTER_S = 8.0
+QUIET_S = 0.3  # no request this long while active: park the clocks until the next
+QUIET_GAPS = 3.0  # ... and never sooner than this many of the stream's mean gaps  # idle this long: a wake boosts to the top point
 
 
 class SnapshotStore(Protocol):
@@ -129,6 +131,7 @@ class Controller:
         self._active_key: PointKey | None = None  # the governor's last choice while active
         self._stock = False
         self._mode_before_sleep: int | None = None
+        self._parked = False  # the lowest clocks until the next request (idle, sleep, quiet)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -243,12 +246,16 @@ class Controller:
             return self._decide(now, changed=False, reason=f"profile {self.policy.profile}")
         if busy:
             self._last_activity_s = now
-            if self.state in (PowerState.IDLE, PowerState.SLEEPING):
+            if self._parked or self.state in (PowerState.IDLE, PowerState.SLEEPING):
                 # A request came without the wake hook (or during the step): wake now.
                 self._wake(now, reason="arrival")
         idle_for = now - self._last_activity_s
         if self.state is PowerState.ACTIVE and not busy and idle_for >= self.policy.idle_after_s:
             return self._park(now)
+        if self.state is PowerState.ACTIVE and self._parked:
+            return self._decide(now, changed=False, reason="parked between requests")
+        if self.state is PowerState.ACTIVE and not busy and idle_for >= self._quiet_s(governor):
+            return self._park(now, idle=False)
         if self.state is PowerState.IDLE:
             planner = self._planner
             if planner is None:
@@ -275,8 +282,8 @@ class Controller:
     def needs_wake(self) -> bool:
         """Whether the batcher must call :meth:`wake` before dispatching a request: the clocks
         are parked low (idle) or the board sleeps."""
-        return self._started and not self._stock and self.state in (
-            PowerState.IDLE, PowerState.SLEEPING)
+        return self._started and not self._stock and (self._parked or self.state in (
+            PowerState.IDLE, PowerState.SLEEPING))
 
     def wake(self, reason: str = "request") -> None:
         """Boost before the first request after idle or sleep is dispatched (the batcher's wake
@@ -303,6 +310,7 @@ class Controller:
         key = self._boost_key(cold=self.state is PowerState.WAKING or idle_s >= COLD_AFTER_S)
         self._apply(key, now_s, reason=f"wake ({reason})", nvpmodel_mode=mode)
         self._idle_since_s = None
+        self._parked = False
         governor.placed(key, now_s)
         self._last_activity_s = now_s
         self._woke_at_s = now_s
@@ -323,14 +331,28 @@ class Controller:
             return top
         return key
 
-    def _park(self, now_s: float) -> Decision:
+    def _quiet_s(self, governor: Governor) -> float:
+        """No request for this long inside ``active``: park the clocks until the next one (the
+        wake hook boosts). Never shorter than a few of the stream's own gaps, so a steady
+        stream is not parked between its requests (each park and boost costs clock changes)."""
+        rate = governor.arrival_rate_hz
+        return max(QUIET_S, QUIET_GAPS / rate) if rate > 0 else QUIET_S
+
+    def _park(self, now_s: float, *, idle: bool = True) -> Decision:
+        """The lowest clocks, rail-gating allowed: in ``idle``, or (``idle=False``) parked
+        inside ``active`` after a quiet moment."""
         governor = self._require_governor()
-        self._set_state(PowerState.IDLE, now_s)
-        self._idle_since_s = now_s
+        reason = "idle: lowest clocks" if idle else "quiet: lowest clocks until the next request"
+        if idle:
+            self._set_state(PowerState.IDLE, now_s)
+            self._idle_since_s = now_s
         key = governor.bottom
-        result = self._apply(key, now_s, reason="idle: lowest clocks", railgate=True)
-        governor.placed(key, now_s)
-        return self._decide(now_s, changed=True, reason="idle: lowest clocks", applied=result)
+        result = None
+        if not self._parked or self._key != key:
+            result = self._apply(key, now_s, reason=reason, railgate=True)
+            governor.placed(key, now_s)
+        self._parked = True
+        return self._decide(now_s, changed=result is not None, reason=reason, applied=result)
 
     def _sleep(self, now_s: float) -> Decision:
         governor = self._require_governor()

@@ -49,6 +49,8 @@ PREDICTION_REFRESH_S = 0.5  # re-predict every candidate at most this often
 TOTAL_QUANTILE = 0.99  # of observed latency / predicted compute, per utilisation bucket
 UTILISATION_BUCKETS = 8
 DOWN_CHECK_S = 0.25  # look for a cheaper point at most this often
+DOWN_RATE_FACTOR = 1.1
+DOWN_MAX_BUSY = 0.45  # no move down to a point busier than this share of the time
 HELD_LEAST = 20  # requests at the point in force before its observed P99 counts
 RATE_FAST_S = 0.5  # arrival-rate windows
 RATE_SLOW_S = 2.0
@@ -371,6 +373,13 @@ class Governor:
             if held is not None and single_now:
                 anchor = held / single_now / self._shape(self._busy(single_now, self._rate.planning_hz))
         rate = self._rate.planning_hz
+        busy_limit = MAX_UTILISATION
+        if anchored:
+            # Moving down: plan for a rate a little above the measured one (a 2 s window of a
+            # Poisson stream is off by several per cent), and not into a load where a slow spell
+            # builds a queue the lower clocks cannot drain.
+            rate *= DOWN_RATE_FACTOR
+            busy_limit = DOWN_MAX_BUSY
         margin = self.margin()
         limit = self.policy.latency_target_s * share_of_target
         power_cap = self.policy.power_cap_mw
@@ -386,6 +395,8 @@ class Governor:
         best: tuple[PointKey, float] | None = None
         for candidate, single in zip(self.candidates, predicted):
             busy = rate * single * per_item
+            if busy > busy_limit:
+                continue
             p99 = single * self._multiplier(busy, margin)
             if anchor:
                 p99 = max(p99, single * anchor * self._shape(busy))
@@ -450,6 +461,11 @@ class Governor:
                 or not self._allowed(current, cap):
             found = self.best(now, UP_HEADROOM, cap)
             key, p99 = found if found is not None else (top, None)
+            if current is not None and self._allowed(current, cap) \
+                    and self.cost(key) <= self.cost(current):
+                # Over the target as observed, yet the model prefers a cheaper point: trust the
+                # observation and go up.
+                key, p99 = top, None
             capped = current is not None and not self._allowed(current, cap)
             return self._go(Choice(key=key, reason="thermal cap" if capped else "over target",
                                    predicted_s=p99, emergency=capped), now)
