@@ -298,3 +298,67 @@ def test_a_sentinel_temperature_is_no_reading(tmp_path: Path) -> None:
     board, _ = open_board(tree)
     zones = {zone.name: zone.temp_c for zone in board.telemetry().thermal}
     assert zones["soc0"] is None and zones["soc1"] == 48.0
+
+
+
+def test_real_read_only_files_give_a_degraded_board_for_a_user(tmp_path: Path) -> None:
+    """chmod 0444 on the GPU limits, and the agent running as a user: no fake writer, the real
+    FileWriter meets the file system's EACCES. As root (where chmod stops nothing) the board runs
+    in a forked child that dropped to uid 65534."""
+    import json
+    import os
+
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    os.chmod(tmp_path, 0o755)
+    for dirpath, dirnames, filenames in os.walk(tmp_path):
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o755)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666)
+    for name in ("min_freq", "max_freq"):
+        os.chmod(tree.root / tree.gpu_freq_dir / name, 0o444)
+
+    def probe() -> dict[str, object]:
+        board = Board.open(tree.root)  # the files themselves, through FileWriter
+        result = board.apply(OperatingPoint(gpu_max_hz=612000000, cpu_max_khz=1190400))
+        return {"caps": board.capabilities(), "unsupported": list(result.unsupported),
+                "cpu_max": result.applied.cpu_max_khz}
+
+    if os.geteuid() != 0:
+        answer = probe()
+    else:
+        # tmp_path's parents are root's 0700: let the user through them for this test only.
+        modes = {folder: os.stat(folder).st_mode & 0o7777 for folder in tmp_path.parents
+                 if str(folder).startswith(str(tmp_path.parents[2]))}
+        for folder in modes:
+            os.chmod(folder, modes[folder] | 0o111)
+        try:
+            reader, writer = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: drop to nobody, probe, report, never return into pytest
+                code = 1
+                try:
+                    os.close(reader)
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    os.write(writer, json.dumps(probe()).encode())
+                    code = 0
+                except BaseException as exc:  # reported through the pipe
+                    os.write(writer, repr(exc).encode())
+                finally:
+                    os._exit(code)
+            os.close(writer)
+            with os.fdopen(reader) as stream:
+                data = stream.read()
+            _, status = os.waitpid(pid, 0)
+        finally:
+            for folder, mode in modes.items():
+                os.chmod(folder, mode)
+        assert os.waitstatus_to_exitcode(status) == 0, data
+        answer = json.loads(data)
+    caps = answer["caps"]
+    assert isinstance(caps, dict)
+    assert caps["gpu"] == f"cannot write {tree.gpu_freq_dir}/min_freq: permission denied"
+    assert answer["unsupported"] == [f"gpu: {caps['gpu']}"]
+    assert answer["cpu_max"] == 1190400  # the writable CPU limits were still applied
+    assert tree.get(f"{tree.gpu_freq_dir}/max_freq") == "918000000"
