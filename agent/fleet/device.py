@@ -51,7 +51,15 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from agent import __version__
-from agent.errors import DocumentError, FleetError, UpdateError, first_line, printable
+from agent.errors import (
+    ConfigError,
+    DocumentError,
+    FleetError,
+    PowerError,
+    UpdateError,
+    first_line,
+    printable,
+)
 from agent.fleet import topics
 from agent.fleet.documents import (
     MAX_DOCUMENT_BYTES,
@@ -122,6 +130,9 @@ class FleetDevice:
         serving: What serves now; default: the updater's steps' ``serving()``.
         clock: The wall clock (command expiry, document times).
         link_factory: Makes the MQTT link (the benchmark's agents share this code path).
+        power: The daemon's power governor (agent/power/service.py), where it governs:
+            ``desired.power`` sets its policy, ``power.wake`` wakes the board, and
+            ``reported.power`` says its state.
     """
 
     def __init__(self, *, fleet: str, device: str, updater: Updater, state_dir: Path,
@@ -130,7 +141,8 @@ class FleetDevice:
                  health: Callable[[], dict[str, Any]] | None = None,
                  serving: Callable[[], Awaitable[BundleId | None]] | None = None,
                  clock: Clock = utc_now,
-                 link_factory: Callable[..., MqttLink] = MqttLink) -> None:
+                 link_factory: Callable[..., MqttLink] = MqttLink,
+                 power: Any = None) -> None:
         self.fleet = topics.check_id(fleet, "fleet")
         self.device = topics.check_id(device, "device")
         self.updater = updater
@@ -141,6 +153,7 @@ class FleetDevice:
         self._serving = serving or updater.steps.serving
         self._clock = clock
         self._link_factory = link_factory
+        self.power = power
         self.files = FleetFiles(state_dir)
         self.root = topics.device_root(fleet, device)
         self.v5 = options is None or options.protocol == "5"
@@ -404,6 +417,14 @@ class FleetDevice:
             if command.command == "status":
                 return self._ok(command.request_id,
                                 {"reported": (await self._reported()).to_json()})
+            if command.command == "power.wake":
+                if self.power is None:
+                    return self._error(command.request_id, "no_power",
+                                       "this device does not govern power ([power] enabled "
+                                       "is false)")
+                seconds = await self.power.wake("mqtt")
+                return self._ok(command.request_id, {"wake_s": seconds,
+                                                     "power": self.power.reported()})
             await self.updater.until_recovered(timeout_s=RECOVERY_WAIT_S)
             if command.command == "rollback":
                 answer = await self.updater.rollback()
@@ -426,6 +447,8 @@ class FleetDevice:
             return self._error(command.request_id, exc.reason, exc.message)
         except DocumentError as exc:
             return self._error(command.request_id, exc.reason, str(exc))
+        except PowerError as exc:
+            return self._error(command.request_id, "power_error", str(exc))
 
     async def _reload(self, command: Command) -> Response:
         stored = await asyncio.get_running_loop().run_in_executor(None, self.files.read_desired)
@@ -445,6 +468,8 @@ class FleetDevice:
     async def _converge(self, desired: Desired) -> RequestAnswer | None:
         """Ask the updater for ``desired``'s model; the status follows its answer, then the
         update's events (:meth:`_on_update_event`)."""
+        if not await self._apply_power(desired):
+            return None
         model = desired.model
         if model is None:
             await self._set_status(desired, "converged", None)
@@ -472,6 +497,31 @@ class FleetDevice:
             self._tracking = None
             await self._set_status(desired, "converged", None)
         return answer
+
+    async def _apply_power(self, desired: Desired) -> bool:
+        """``desired.power`` onto the configured policy; False (the document refused) when
+        its keys or values are bad, or this device does not govern power."""
+        if desired.power is None:
+            return True
+        reason, message = None, ""
+        if self.power is None:
+            reason, message = "no_power", "this device does not govern power ([power] enabled " \
+                                          "is false)"
+        else:
+            try:
+                await self.power.set_policy(desired.power, base=self.power.config)
+                self._event("power.policy", {"version": desired.version,
+                                             "power": self.power.reported()})
+                return True
+            except ConfigError as exc:
+                reason, message = "bad_power", str(exc)
+            except PowerError as exc:
+                reason, message = "power_error", str(exc)
+        if self.desired is desired:
+            await self._set_status(desired, "refused", reason)
+        self._event("desired.refused", {"reason": reason, "version": desired.version,
+                                        "message": printable(message, 500)})
+        return False
 
     def _on_update_event(self, event: dict[str, Any]) -> None:
         """The updater's listener (on the loop, must not block): events, the desired
@@ -633,7 +683,8 @@ class FleetDevice:
         return Reported(fleet=self.fleet, device=self.device, sequence=sequence,
                         reported_at=self._now(), agent_version=__version__,
                         fingerprint=self.fingerprint, applied=applied, desired=self._status,
-                        updater=updater, health=self._health())
+                        updater=updater, health=self._health(),
+                        power=None if self.power is None else self.power.reported())
 
     async def _query_serving(self) -> BundleId | None:
         try:

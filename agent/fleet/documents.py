@@ -85,7 +85,9 @@ MAX_INT = 2**63 - 1  # versions and sequences, as the bundle manifest bounds its
 MAX_NAME_CHARS = 100  # as models/manifest.py bounds a model name
 MAX_URL_CHARS = 2048
 MAX_TEXT_CHARS = 2000  # free text: an error's message, an agent version
-COMMANDS = ("status", "rollback", "reload", "update")
+# power.wake boosts a sleeping board until the governor sees the requests it was woken for: it
+# changes no model or setting, so it may come unsigned, as status.
+COMMANDS = ("status", "rollback", "reload", "update", "power.wake")
 SIGNED_COMMANDS = frozenset({"rollback", "reload", "update"})  # those that change what runs
 DESIRED_STATUSES = ("converged", "applying", "failed", "refused")
 # A signed command names when it expires; the device keeps its answer until then, so that a
@@ -516,7 +518,9 @@ class Desired(Document):
     model: ModelSpec | None = None
     allow_downgrade: bool = False
     rollout: str | None = None
-    power: dict[str, Any] | None = None  # reserved for the power policy (issue 18)
+    # Policy keys of [power] (agent/power/policy.py: {"profile": "max", "latency_target_s":
+    # 0.03}): the device's policy is its configuration's with these, checked as the file is.
+    power: dict[str, Any] | None = None
     settings: dict[str, Any] = field(default_factory=dict)  # reserved
 
     def _body(self) -> dict[str, Any]:
@@ -651,19 +655,25 @@ class Reported(Document):
     applied: Applied | None = None
     desired: DesiredStatus | None = None
     health: dict[str, Any] = field(default_factory=dict)
+    # The power governor's state, point in force, power and hottest temperature; absent (None)
+    # where the device does not govern power.
+    power: dict[str, Any] | None = None
 
     def _body(self) -> dict[str, Any]:
-        return {"sequence": self.sequence, "reported_at": format_time(self.reported_at),
+        body = {"sequence": self.sequence, "reported_at": format_time(self.reported_at),
                 "agent_version": self.agent_version, "fingerprint": self.fingerprint,
                 "applied": None if self.applied is None else self.applied.to_json(),
                 "desired": None if self.desired is None else self.desired.to_json(),
                 "updater": self.updater.to_json(), "health": self.health}
+        if self.power is not None:
+            body["power"] = self.power
+        return body
 
     @classmethod
     def from_json(cls, data: object) -> Reported:
         fields = _header(data, cls.kind, ("sequence", "reported_at", "agent_version",
                                           "fingerprint", "applied", "desired", "updater",
-                                          "health"))
+                                          "health"), optional=("power",))
         fleet, device = fields.fleet_and_device()
         applied, desired = fields.raw("applied"), fields.raw("desired")
         return cls(fleet=fleet, device=device, sequence=fields.integer("sequence", minimum=0),
@@ -673,7 +683,8 @@ class Reported(Document):
                    applied=None if applied is None else Applied.from_json(applied),
                    desired=None if desired is None else DesiredStatus.from_json(desired),
                    updater=UpdaterStatus.from_json(fields.raw("updater")),
-                   health=_free_object(fields, "health"))
+                   health=_free_object(fields, "health"),
+                   power=_free_object(fields, "power") if fields.has("power") else None)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -54,7 +54,8 @@ def attach_fleet(daemon: Daemon) -> FleetDevice:
     device = FleetDevice(fleet=config.fleet.fleet, device=config.device_id,
                          updater=daemon.updater, state_dir=config.state_dir,
                          keys=config.fleet.keys, options=broker_options(config),
-                         fingerprint=fingerprint(config), health=health)
+                         fingerprint=fingerprint(config), health=health,
+                         power=daemon.power)
     daemon.add_task("fleet", device.run)
     daemon.fleet = device
     return device

@@ -399,6 +399,9 @@ class PowerService:
         """
         current = base if base is not None else self._policy_config()
         policy = policy_from_config(with_changes(current, changes))
+        if not self._running and self._controller is None:
+            self._policy = policy  # not started yet: the controller starts with it
+            return policy
         await self._call(lambda: self._controller_set_policy(policy), "set")
         self._policy = policy
         return policy
