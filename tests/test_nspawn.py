@@ -109,7 +109,9 @@ class Container:
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             ["systemd-nspawn", "-D", str(self.root), "-b", "-M", self.name, "--register=no",
-             "--keep-unit", "--private-network"],
+             "--keep-unit", "--private-network",
+             # BPF for the device policy (DevicePolicy=, BPF_CGROUP_DEVICE on cgroup v2).
+             "--system-call-filter=bpf", "--capability=CAP_BPF"],
             env={**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"},
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
@@ -219,18 +221,22 @@ READY_PROBE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
+    from agent.fleet.ops.provision import add_device, init_workspace
     from agent.tooling.packaging import layout, rootfs
-    from tests.tiny_models import make_bundle
     from models.signing import public_key_path, write_keypair
+    from tests.tiny_models import make_bundle
 
     work = tmp_path_factory.mktemp("nspawn")
     root = work / "rootfs"
     run(["cp", "-a", "--reflink=auto", str(base_rootfs()), str(root)])
     write_keypair(work / "bundle")
     bundle, _ = make_bundle(work, key=_private_key(work / "bundle"))
-    entries = layout.service_entries(REPO, wheelhouse=wheelhouse(),
-                                     bundle_keys=[public_key_path(work / "bundle")],
-                                     device_id="nspawn-1")
+    # A provisioned device, as flashing gives it: its broker is out of reach (the container
+    # has no network), which the daemon must take in its stride.
+    workspace = init_workspace(work / "fleet", fleet="plant", broker_host="broker.invalid")
+    device = add_device(workspace, "nspawn-1").directory
+    entries = layout.service_entries(REPO, wheelhouse=wheelhouse(), device_files=device,
+                                     bundle_keys=[public_key_path(work / "bundle")])
     rootfs.install(root, entries)
     # The first model: a fresh board has none, so the test's drop-in gives the daemon one to
     # install at start (a fleet device gets it from its desired document instead).
@@ -242,6 +248,12 @@ def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
     (dropin / "50-first-model.conf").write_text(
         "[Service]\nExecStart=\nExecStart=/opt/edge-agent/venv/bin/edge-agent serve --config "
         "/etc/edge-agent/agent.toml --bundle /etc/edge-agent/test/tiny.bundle\n")
+    # A probe run in the daemon's own sandbox (ExecStartPost= gets the unit's settings): what
+    # it may and may not do, written to its state directory.
+    (root / "etc/edge-agent/test/sandbox_probe.py").write_text(SANDBOX_PROBE)
+    (dropin / "60-sandbox-probe.conf").write_text(
+        "[Service]\nExecStartPost=-/opt/edge-agent/venv/bin/python "
+        "/etc/edge-agent/test/sandbox_probe.py\n")
     container = Container(root, "edge-agent-test", work / "nspawn.log")
     container.boot()
     try:
@@ -249,6 +261,38 @@ def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
         yield container
     finally:
         container.poweroff()
+
+
+SANDBOX_PROBE = textwrap.dedent("""
+    import ctypes, errno, json, os, socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    found = {}
+    def call(name, function):
+        try:
+            result = function()
+        except OSError as exc:
+            found[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+            return
+        if isinstance(result, int) and result == -1:
+            found[name] = errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+        else:
+            found[name] = "allowed"
+    call("setuid0", lambda: os.setuid(0))
+    call("mount", lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None))
+    call("reboot", lambda: libc.reboot(0x4321FEDC))  # RB_POWER_OFF: must never succeed
+    call("unshare_user", lambda: libc.unshare(0x10000000))  # CLONE_NEWUSER
+    call("packet_socket", lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW))
+    call("netlink_socket", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW))
+    call("write_etc", lambda: open("/etc/x", "w"))
+    call("write_opt", lambda: open("/opt/edge-agent/x", "w"))
+    # A tun device node the test makes world-writable: open to anyone but for the device policy.
+    call("open_tun", lambda: os.close(os.open("/dev/edge-agent-test-tun", os.O_RDWR)))
+    call("tcp_socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close())
+    call("write_state", lambda: open("/var/lib/edge-agent/probe.tmp", "w").close())
+    found["uid"] = os.getuid()
+    with open("/var/lib/edge-agent/sandbox-probe.json", "w") as out:
+        json.dump(found, out)
+""")
 
 
 def _private_key(path: Path):  # type: ignore[no-untyped-def]
@@ -267,6 +311,20 @@ def test_the_service_comes_up_at_boot_from_the_offline_wheelhouse(booted: Contai
     assert main["ActiveState"] == "active" and main["Type"] == "notify"
     assert "tiny v1" in main["StatusText"]
     assert booted.python(READY_PROBE).stdout.strip() == "200"
+    # The owners and modes systemd gave at boot to what the installer wrote as root.
+    owners = {path: booted.exec("stat", "-c", "%a %U %G", path).stdout.split() for path in (
+        "/etc/edge-agent/agent.toml", "/etc/edge-agent/fleet", "/etc/edge-agent/fleet/mqtt-password",
+        "/etc/edge-agent/fleet/fleet-ca.crt", "/var/lib/edge-agent", "/var/cache/edge-agent",
+        "/usr/lib/systemd/system/edge-agent.service")}
+    assert owners == {
+        "/etc/edge-agent/agent.toml": ["640", "root", "edge-agent"],
+        "/etc/edge-agent/fleet": ["750", "root", "edge-agent"],
+        "/etc/edge-agent/fleet/mqtt-password": ["640", "root", "edge-agent"],
+        "/etc/edge-agent/fleet/fleet-ca.crt": ["644", "root", "root"],
+        "/var/lib/edge-agent": ["750", "edge-agent", "edge-agent"],
+        "/var/cache/edge-agent": ["750", "edge-agent", "edge-agent"],
+        "/usr/lib/systemd/system/edge-agent.service": ["644", "root", "root"],
+    }
 
 
 def test_active_only_once_it_serves(booted: Container) -> None:
@@ -307,6 +365,29 @@ def test_the_hardening_holds_in_the_running_daemon(booted: Container) -> None:
                        "/opt/edge-agent/venv/bin/python", "-c", probe).stdout
     assert "/etc/x 30" in seen and "/opt/edge-agent/x 30" in seen, seen  # EROFS
     assert "/var/lib/edge-agent/x writable" in seen, seen
+    # What a process in its sandbox may and may not do (the probe runs as ExecStartPost=).
+    booted.exec("mknod", "-m", "666", "/dev/edge-agent-test-tun", "c", "10", "200")
+    outside = booted.exec("/opt/edge-agent/venv/bin/python", "-c",
+                          "import os; os.open('/dev/edge-agent-test-tun', os.O_RDWR); print('opened')",
+                          check=False)
+    booted.exec("systemctl", "restart", "edge-agent.service", timeout=READY_TIMEOUT_S)
+    pid = booted.show("edge-agent.service", "MainPID")["MainPID"]
+    probe = json.loads(booted.exec("cat", "/var/lib/edge-agent/sandbox-probe.json").stdout)
+    assert probe.pop("uid") == int(uid)
+    assert probe == {
+        "setuid0": "EPERM",            # no capabilities, no new privileges
+        "mount": "EPERM",              # the system call filter (@mount is not in @system-service)
+        "reboot": "EPERM",             # the filter (@reboot), refused with EPERM not a kill
+        "unshare_user": "EPERM",       # RestrictNamespaces=
+        "packet_socket": "EAFNOSUPPORT",   # RestrictAddressFamilies=
+        "netlink_socket": "EAFNOSUPPORT",
+        "write_etc": "EROFS",          # ProtectSystem=strict
+        "write_opt": "EROFS",
+        "open_tun": "EPERM",           # DevicePolicy=closed
+        "tcp_socket": "allowed",
+        "write_state": "allowed",      # StateDirectory=
+    }, probe
+    assert outside.stdout.strip() == "opened", outside.stderr  # the node itself can be opened
     security = booted.exec("systemd-analyze", "security", "edge-agent.service", "--no-pager",
                            check=False).stdout
     level = float(security.rsplit("Overall exposure level for edge-agent.service: ", 1)[1]
