@@ -379,30 +379,34 @@ class _Step:
             return True
         return False
 
-    def _run(self, control: str, path: str,
-             action: Callable[[], tuple[int, list[Mismatch]]]) -> None:
+    def _degrade(self, control: str, reason: str) -> None:
+        log.warning("power control %s degraded: %s", control, reason)
+        self.board._problems[control] = reason
+        self.unsupported.append(f"{control}: {reason}")
+
+    def _run(self, control: str, path: str, action: Callable[[], tuple[int, list[Mismatch]]],
+             recheck: Callable[[], list[Mismatch]]) -> None:
+        """Run one control's writes; ``recheck`` reads back what is in force after a write the
+        kernel refused (the mismatches then say what was wanted and what is there)."""
         try:
             writes, mismatches = action()
         except PowerError as exc:  # the writer refused (a privileged helper's rules): for good
-            reason = f"writer refused {path}: {exc}"
-            log.warning("power control %s degraded: %s", control, reason)
-            self.board._problems[control] = reason
-            self.unsupported.append(f"{control}: {reason}")
+            self._degrade(control, f"writer refused {path}: {exc}")
             return
         except OSError as exc:
             if exc.errno == errno.EBUSY and control == "cpu":
                 # A cpufreq policy whose CPUs are all offline (AGX Orin's 15W and 30W modes)
                 # answers EBUSY: nothing to set there until nvpmodel brings its CPUs back.
                 return
-            where = exc.filename or path
+            where = str(exc.filename or path)
             if _degrades(exc):
-                reason = _reason(exc, str(where))
-                log.warning("power control %s degraded: %s", control, reason)
-                self.board._problems[control] = reason
-                self.unsupported.append(f"{control}: {reason}")
-            else:  # EINVAL and the like: this value was refused, the control still works
-                self.mismatches.append(Mismatch(path=str(where), wanted=str(exc.strerror),
-                                                found=None))
+                self._degrade(control, _reason(exc, where))
+                return
+            # EINVAL and the like: this value was refused, the control still works.
+            log.warning("power control %s: %s refused a write: %s", control, where,
+                        exc.strerror)
+            self.mismatches.extend(recheck() or [Mismatch(path=where, wanted="a write",
+                                                          found=None)])
             return
         self.writes += writes
         self.mismatches.extend(mismatches)
@@ -425,13 +429,17 @@ class _Step:
             return
         board = self.board
 
+        wanted: list[int] = []
+
         def action() -> tuple[int, list[Mismatch]]:
             cur_min, cur_max = limits.read(board.root)
-            low = cur_min if new_min is None else new_min
             high = cur_max if new_max is None else new_max
-            return limits.set(board.root, board.writer, min(low, high), high)
+            low = min(cur_min if new_min is None else new_min, high)
+            wanted[:] = [low, high]
+            return limits.set(board.root, board.writer, low, high)
 
-        self._run(control, limits.max_path, action)
+        self._run(control, limits.max_path, action,
+                  lambda: limits.check(board.root, *wanted) if wanted else [])
 
     def gpu(self, new_min: int | None, new_max: int | None) -> None:
         if self.board.gpu is not None:
@@ -456,15 +464,18 @@ class _Step:
             return
         writer = self.board.writer
         if rate_hz is None:
-            self._run("emc", emc.lock_path, lambda: emc.unlock(writer))
+            self._run("emc", emc.lock_path, lambda: emc.unlock(writer), lambda: [])
         else:
-            self._run("emc", emc.rate_path, lambda: emc.lock(writer, rate_hz))
+            self._run("emc", emc.rate_path, lambda: emc.lock(writer, rate_hz), lambda: [
+                Mismatch(path=emc.rate_path, wanted=rate_hz, found=found)
+                for found in [emc.rate_hz()] if found != rate_hz])
 
     def railgate(self, allow: bool) -> None:
         railgate = self.board.railgate
         if self._skip("railgate") or railgate is None:
             return
-        self._run("railgate", railgate.path, lambda: railgate.set(self.board.writer, allow))
+        self._run("railgate", railgate.path, lambda: railgate.set(self.board.writer, allow),
+                  lambda: [])
 
     def result(self) -> ApplyResult:
         return ApplyResult(applied=self.board.read_point(), mismatches=tuple(self.mismatches),

@@ -362,3 +362,23 @@ def test_real_read_only_files_give_a_degraded_board_for_a_user(tmp_path: Path) -
     assert answer["unsupported"] == [f"gpu: {caps['gpu']}"]
     assert answer["cpu_max"] == 1190400  # the writable CPU limits were still applied
     assert tree.get(f"{tree.gpu_freq_dir}/max_freq") == "918000000"
+
+
+class PickyKernel(FakeKernel):
+    """A kernel refusing one GPU rate with EINVAL (as 4.9 does for an inverted pair)."""
+
+    def write(self, relpath: str, value: str) -> None:
+        if relpath.endswith("17000000.gpu/max_freq") and value == "714000000":
+            raise OSError(errno.EINVAL, "Invalid argument", str(self.root / relpath))
+        super().write(relpath, value)
+
+
+def test_a_value_the_kernel_refuses_is_a_mismatch_and_the_control_stays(tmp_path: Path
+                                                                         ) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board = Board.open(tree.root, writer=PickyKernel(tree.root, 6))
+    result = board.apply(OperatingPoint(gpu_min_hz=306000000, gpu_max_hz=714000000))
+    assert [(m.path, m.wanted, m.found) for m in result.mismatches] == [
+        (f"{tree.gpu_freq_dir}/max_freq", 714000000, 918000000)]
+    assert board.capabilities()["gpu"] is None and not result.unsupported
+    assert board.apply(OperatingPoint(gpu_max_hz=612000000)).ok
