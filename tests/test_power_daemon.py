@@ -354,3 +354,63 @@ def test_the_real_board_and_controller_govern_the_tree_and_stop_restores_it(
     assert seen["status"]["wakes"] >= 1
     assert {path: tree.get(path) for path in board_files} == original
     assert not (installed["config"].state_dir / "power" / "saved.json").exists()
+
+
+def test_a_killed_daemons_next_start_restores_the_board(installed: dict[str, Any],
+                                                       tmp_path: Path) -> None:
+    """``edge-agent serve`` in a process of its own, with the real board layer and controller,
+    SIGKILLed while the board sleeps at its governed limits; the next start puts the board's
+    own limits back before governing, and its stop leaves them so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    config = installed["config"]
+    tree: FakeTree = installed["tree"]
+    board_files = [f"{tree.gpu_freq_dir}/min_freq", f"{tree.gpu_freq_dir}/max_freq",
+                   *(f"{policy}/scaling_max_freq" for policy in tree.policies)]
+    original = {path: tree.get(path) for path in board_files}
+    config_file = tmp_path / "agent.toml"
+    config_file.write_text(
+        f'state_dir = "{config.state_dir}"\n[http]\nport = 0\n[serving]\nbackend = "onnxruntime"\n'
+        f'[trust]\npublic_keys = ["{config.trust.public_keys[0]}"]\n'
+        f'[power]\nenabled = true\nroot = "{tree.root}"\nidle_after_s = 0.05\n'
+        "sleep_after_s = 0.1\ncontrol_period_s = 0.01\ntelemetry_period_s = 0.05\n")
+    process = subprocess.Popen([sys.executable, "-m", "agent", "serve", "--config",
+                                str(config_file)], env={**os.environ, "PYTHONPATH": os.getcwd()},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        client = ControlClient(config.state_dir / SOCKET_NAME, connect_timeout_s=1.0)
+        deadline = time.monotonic() + 60
+        state = None
+        while state != "sleeping":
+            assert process.poll() is None, process.stderr.read().decode()[-2000:] \
+                if process.stderr else "the daemon exited"
+            assert time.monotonic() < deadline, "the daemon's board never slept"
+            try:
+                state = client.call("power.status", timeout_s=5.0)["state"]
+            except Exception:  # noqa: BLE001 - not serving yet
+                time.sleep(0.1)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        if process.stderr is not None:
+            process.stderr.close()
+    assert {path: tree.get(path) for path in board_files} != original  # left governed
+    assert (config.state_dir / "power" / "saved.json").exists()
+
+    daemon = Daemon(config)
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        await until(lambda: daemon.power is not None and daemon.power.status()["running"])
+        seen["restored"] = daemon.power.status()["restored_at_start"] if daemon.power else None
+
+    run_foreground(daemon, session=session)
+    assert seen["restored"] is True
+    assert {path: tree.get(path) for path in board_files} == original
+    assert not (config.state_dir / "power" / "saved.json").exists()
