@@ -40,9 +40,11 @@ class Param:
 class ConfMode:
     mode_id: int
     name: str
-    settings: tuple[tuple[str, str, int], ...]  # (param, argument, value) in file order
+    # (param, argument, value) in file order; a value is an integer (a frequency, a flag, a mask)
+    # or a word (GPU_POWER_CONTROL's "on"/"auto")
+    settings: tuple[tuple[str, str, int | str], ...]
 
-    def value(self, param: str, argument: str) -> int | None:
+    def value(self, param: str, argument: str) -> int | str | None:
         for name, arg, value in self.settings:
             if name == param and arg == argument:
                 return value
@@ -51,7 +53,7 @@ class ConfMode:
     def cap(self, param: str) -> int | None:
         """The MAX_FREQ ``param`` gets in this mode; None when uncapped or not set."""
         value = self.value(param, "MAX_FREQ")
-        if value is None or value in NO_CAP or value == 0 and param.startswith("EMC"):
+        if not isinstance(value, int) or value in NO_CAP or value == 0 and param.startswith("EMC"):
             return None
         return value
 
@@ -78,7 +80,7 @@ def parse_conf(text: str, source: str = "") -> NvpmodelConf:
     modes: list[ConfMode] = []
     default: int | None = None
     section: tuple[str, dict[str, str]] | None = None
-    settings: list[tuple[str, str, int]] = []
+    settings: list[tuple[str, str, int | str]] = []
 
     def finish() -> None:
         if section is not None and section[0] == "POWER_MODEL":
@@ -128,11 +130,15 @@ def parse_conf(text: str, source: str = "") -> NvpmodelConf:
                 raise bad("a PARAM line must be 'ARGUMENT /path'")
             params[attrs["NAME"]].paths[words[0]] = words[1]
         elif kind == "POWER_MODEL":
-            if len(words) != 3 or not re.fullmatch(r"-?\d+", words[2]):
-                raise bad("a POWER_MODEL line must be 'PARAM ARGUMENT integer'")
+            if len(words) != 3:
+                raise bad("a POWER_MODEL line must be 'PARAM ARGUMENT value'")
             if words[0] not in params:
                 raise bad(f"POWER_MODEL uses the undeclared PARAM {words[0]}")
-            settings.append((words[0], words[1], int(words[2])))
+            param = params[words[0]]
+            is_number = re.fullmatch(r"-?\d+", words[2]) is not None
+            if param.kind == "CLOCK" and not is_number:
+                raise bad(f"{words[0]} {words[1]} needs an integer frequency")
+            settings.append((words[0], words[1], int(words[2]) if is_number else words[2]))
     finish()
     if default is None:
         raise PowerError("malformed nvpmodel configuration: no '< PM_CONFIG DEFAULT=n >' line",

@@ -218,3 +218,41 @@ def test_the_subprocess_runner_reports_missing_commands_and_output() -> None:
     assert done.returncode == 0 and parse_query(done.stdout) == (0, "15W")
     slow = runner.run([sys.executable, "-c", "import time; time.sleep(5)"], timeout_s=0.2)
     assert slow.returncode == 124
+
+
+# NVIDIA's Orin template (MLPerf's nvpmodel_orin.py writes these): the GPU's runtime power
+# management is forced "on" around the clock changes and handed back ("auto") after them.
+GPU_POWER_CONTROL_EXCERPT = """\
+< PARAM TYPE=FILE NAME=GPU_POWER_CONTROL_ENABLE >
+GPU_PWR_CNTL_EN /sys/devices/platform/bus@0/17000000.gpu/power/control
+< PARAM TYPE=FILE NAME=GPU_POWER_CONTROL_DISABLE >
+GPU_PWR_CNTL_DIS /sys/devices/platform/bus@0/17000000.gpu/power/control
+< PARAM TYPE=CLOCK NAME=GPU >
+FREQ_TABLE /sys/devices/platform/bus@0/17000000.gpu/devfreq/17000000.gpu/available_frequencies
+MAX_FREQ /sys/devices/platform/bus@0/17000000.gpu/devfreq/17000000.gpu/max_freq
+MIN_FREQ /sys/devices/platform/bus@0/17000000.gpu/devfreq/17000000.gpu/min_freq
+MAX_FREQ_KNEXT /sys/devices/platform/17000000.gpu/devfreq_dev/max_freq
+< POWER_MODEL ID=0 NAME=15W >
+GPU_POWER_CONTROL_ENABLE GPU_PWR_CNTL_EN on
+GPU MIN_FREQ 0
+GPU MAX_FREQ 612000000
+GPU_POWER_CONTROL_DISABLE GPU_PWR_CNTL_DIS auto
+< PM_CONFIG DEFAULT=0 >
+"""
+
+
+def test_word_values_parse_and_the_fake_writes_them_around_the_clocks(tmp_path: Path) -> None:
+    conf = parse_conf(GPU_POWER_CONTROL_EXCERPT)
+    assert conf.mode(0).value("GPU_POWER_CONTROL_ENABLE", "GPU_PWR_CNTL_EN") == "on"
+    assert conf.mode(0).cap("GPU") == 612000000
+    assert conf.params["GPU"].paths["MAX_FREQ_KNEXT"].endswith("devfreq_dev/max_freq")
+    with pytest.raises(PowerError, match="needs an integer frequency"):
+        parse_conf(GPU_POWER_CONTROL_EXCERPT.replace("MAX_FREQ 612000000", "MAX_FREQ high"))
+
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    (tree.root / "etc/nvpmodel.conf").unlink()
+    (tree.root / "etc/nvpmodel.conf").write_text(GPU_POWER_CONTROL_EXCERPT)
+    kernel = FakeKernel(tree.root, 6)
+    Nvpmodel(tree.root, FakeCommands(tree.root, kernel)).set_mode(0)
+    assert [(path.rsplit("/", 1)[1], value) for path, value in kernel.log] == [
+        ("control", "on"), ("max_freq", "612000000"), ("control", "auto")]

@@ -100,28 +100,29 @@ class FakeCommands:
             return CommandResult(argv=args, returncode=0, stdout=(
                 "NVPM WARN: Reboot required for changing to this power mode\n"))
         clocks: dict[str, dict[str, int]] = {}
-        files: list[tuple[str, int]] = []
-        for param, argument, number in mode.settings:
+        before: list[tuple[str, str]] = []  # files written before the clocks, in file order
+        after: list[tuple[str, str]] = []  # and after them
+        for param, argument, setting in mode.settings:
             spec = conf.params[param]
             if spec.kind == "FILE":
-                files.append((_rel(spec.paths[argument]), number))
-            else:
-                clocks.setdefault(param, {})[argument] = number
+                # CPUs come online before their clusters' clocks are set and go offline after
+                # (a policy with no CPU online refuses its limits: EBUSY); other files keep
+                # their place around the clock lines (power/control "on" before, "auto" after).
+                late = bool(clocks) or param == "CPU_ONLINE" and setting == 0
+                (after if late else before).append((_rel(spec.paths[argument]), str(setting)))
+            elif isinstance(setting, int):
+                clocks.setdefault(param, {})[argument] = setting
         try:
-            # CPUs come online before their clusters' clocks are set and go offline after: a
-            # policy with no CPU online refuses its limits (EBUSY).
-            for file, number in files:
-                if number != 0:
-                    self.writer.write(file, str(number))
+            for file, text in before:
+                self.writer.write(file, text)
             for param, limits in clocks.items():
                 try:
                     self._clock(conf, param, limits)
                 except OSError as exc:
                     if exc.errno != errno.EBUSY:
                         raise
-            for file, number in files:
-                if number == 0:
-                    self.writer.write(file, "0")
+            for file, text in after:
+                self.writer.write(file, text)
         except OSError as exc:
             return CommandResult(argv=args, returncode=1,
                                  stdout=f"NVPM ERROR: failed to write {exc.filename}: "
