@@ -414,3 +414,29 @@ def test_a_killed_daemons_next_start_restores_the_board(installed: dict[str, Any
     assert seen["restored"] is True
     assert {path: tree.get(path) for path in board_files} == original
     assert not (config.state_dir / "power" / "saved.json").exists()
+
+
+def test_a_reload_hands_the_new_policy_to_the_controller(installed: dict[str, Any]) -> None:
+    from agent.reload import reload
+
+    tree: FakeTree = installed["tree"]
+    parts = Parts(tree)
+    config = installed["config"]
+    awake = dataclasses.replace(config, power=dataclasses.replace(
+        config.power, idle_after_s=60.0, sleep_after_s=120.0))
+    daemon = Daemon(awake, power_parts=parts.parts())
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        await until(lambda: daemon.power is not None and daemon.power.status()["running"])
+        new = dataclasses.replace(awake, power=dataclasses.replace(
+            awake.power, profile="min", latency_target_s=0.2))
+        seen["result"] = reload(daemon, new)
+        await until(lambda: parts.controller is not None
+                    and parts.controller.policy.profile == "min")
+        seen["status"] = daemon.power.status() if daemon.power else None
+
+    run_foreground(daemon, session=session)
+    assert "power.profile" in seen["result"].applied
+    assert seen["status"]["policy"]["latency_target_s"] == 0.2
+    assert daemon.config.power.profile == "min"

@@ -166,7 +166,9 @@ class PowerService:
         self._batchers = batchers
         self._observers = observers
         self._controller: PowerController | None = None
+        self._in_force = config  # the section with the policy in force (set, desired)
         self._policy = policy_from_config(config)
+        self._reloads: set[asyncio.Task[None]] = set()
         self._completions = _Completions()
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]
                                        | None] = queue.SimpleQueue()
@@ -397,41 +399,37 @@ class PowerService:
             ConfigError: a bad key or value (nothing changes).
             PowerError: the governor is not running.
         """
-        current = base if base is not None else self._policy_config()
-        policy = policy_from_config(with_changes(current, changes))
-        if not self._running and self._controller is None:
-            self._policy = policy  # not started yet: the controller starts with it
-            return policy
-        await self._call(lambda: self._controller_set_policy(policy), "set")
-        self._policy = policy
+        changed = with_changes(base if base is not None else self._in_force, changes)
+        policy = policy_from_config(changed)
+        if self._running or self._controller is not None:
+            await self._call(lambda: self._controller_set_policy(policy), "set")
+        # Else not started yet (a stored desired document converged to at start): the
+        # controller is made with it.
+        self._in_force, self._policy = changed, policy
         return policy
 
     def _controller_set_policy(self, policy: PowerPolicy) -> None:
         self._on_thread().set_policy(policy)
 
-    def _policy_config(self) -> PowerConfig:
-        return dataclasses.replace(self.config, **{
-            name: value for name, value in (
-                ("power_cap_mw", self._policy.power_cap_mw or 0),
-                ("sleep_nvpmodel_mode", -1 if self._policy.sleep_nvpmodel_mode is None
-                 else self._policy.sleep_nvpmodel_mode),
-                *((name, getattr(self._policy, name)) for name in POLICY_KEYS
-                  if name not in ("power_cap_mw", "sleep_nvpmodel_mode")))})
-
     def reload(self, config: PowerConfig) -> None:
         """SIGHUP: the policy keys of a new ``[power]`` take effect (others need a restart)."""
         self.config = dataclasses.replace(self.config, **{name: getattr(config, name)
                                                          for name in POLICY_KEYS})
-        if self._running and self._loop is not None:
-            policy = policy_from_config(config)
+        reloaded, policy = self.config, policy_from_config(self.config)
+        if not (self._running and self._loop is not None):
+            self._in_force, self._policy = reloaded, policy
+            return
 
-            async def apply() -> None:
-                try:
-                    await self._call(lambda: self._controller_set_policy(policy), "reload")
-                    self._policy = policy
-                except AgentError as exc:
-                    log.error("the reloaded power policy was not applied: %s", exc)
-            self._loop.create_task(apply(), name="power-reload")
+        async def apply() -> None:
+            try:
+                await self._call(lambda: self._controller_set_policy(policy), "reload")
+                self._in_force, self._policy = reloaded, policy
+            except AgentError as exc:
+                log.error("the reloaded power policy was not applied: %s", exc)
+
+        task = self._loop.create_task(apply(), name="power-reload")
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
 
     # -- what it reports ------------------------------------------------------------------------
 
