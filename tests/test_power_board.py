@@ -382,3 +382,30 @@ def test_a_value_the_kernel_refuses_is_a_mismatch_and_the_control_stays(tmp_path
         (f"{tree.gpu_freq_dir}/max_freq", 714000000, 918000000)]
     assert board.capabilities()["gpu"] is None and not result.unsupported
     assert board.apply(OperatingPoint(gpu_max_hz=612000000)).ok
+
+
+def test_a_governor_step_costs_well_under_the_budget(tmp_path: Path) -> None:
+    """The governor calls apply() and telemetry() every ~50 ms: each must stay ~1-3 ms. Only the
+    read-only paths are timed (a write's cost here is the test disk's, not sysfs's); the bound
+    is 30 times the measured median so a loaded machine does not fail it, while a step that
+    ran a command or rescanned the tree would."""
+    import statistics
+    import time
+
+    from power.io import FileWriter
+
+    tree = fake_board(tmp_path, "agx-orin-64gb", 6)
+    board = Board.open(tree.root, writer=FileWriter(tree.root))
+    point = OperatingPoint(gpu_min_hz=612000000, gpu_max_hz=612000000, cpu_min_khz=1497600,
+                           cpu_max_khz=1497600, emc_hz=2133000000, gpu_railgate=True)
+    board.apply(point)
+    applies, readings = [], []
+    for _ in range(200):
+        start = time.perf_counter()
+        board.apply(point)
+        applies.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        board.telemetry()
+        readings.append(time.perf_counter() - start)
+    assert statistics.median(applies) < 0.003
+    assert statistics.median(readings) < 0.003
