@@ -43,13 +43,16 @@ DOWN_BAND = 0.80  # going down: the new point must meet this share of the target
 DOWN_COST_GAIN = 0.97  # ... and cost at most this share of the point in force
 DOWN_HOLD_S = 1.5  # no move down sooner than this after any change
 DOWN_AFTER_UP_S = 3.0  # ... nor this soon after a move up
-MISS_HOLD_S = 1.0  # after a request over the target: stay at the top point this long
+MISS_HOLD_S = 1.0  # a miss counts against its point, and blocks moves down, this long
 MAX_UTILISATION = 0.80  # never plan a point busier than this at the current arrival rate
 PREDICTION_REFRESH_S = 0.5  # re-predict every candidate at most this often
 TOTAL_QUANTILE = 0.99  # of observed latency / predicted compute, per utilisation bucket
 UTILISATION_BUCKETS = 8
 DOWN_CHECK_S = 0.25  # look for a cheaper point at most this often
 DOWN_RATE_FACTOR = 1.1
+DOWN_RATE_FALL = 0.9  # moving down needs the load to have fallen this far since the last move up
+DOWN_EXPLORE_S = 10.0  # ... or that move to be this old on a load no higher (the model may
+# know better by then)
 DOWN_MAX_BUSY = 0.45  # no move down to a point busier than this share of the time
 HELD_LEAST = 20  # requests at the point in force before its observed P99 counts
 RATE_FAST_S = 0.5  # arrival-rate windows
@@ -225,6 +228,9 @@ class Governor:
         self._last_change_s = -math.inf
         self._last_up_s = -math.inf
         self._last_miss_s = -math.inf
+        self._rate_at_up_hz = math.inf  # the arrival rate the last move up was made for
+        self._fresh_miss_s = 0.0  # the worst miss at the point in force, while fresh
+        self._fresh_miss_at_s = -math.inf
         self._last_down_check_s = -math.inf
         self._power_scale = 1.0  # measured / estimated draw
         self.recent: deque[tuple[float, float]] = deque(maxlen=400)  # (time, total_s)
@@ -247,7 +253,8 @@ class Governor:
         model = self.model
         for completion in completions:
             self.recent.append((completion.time_s, completion.total_s))
-            if completion.total_s > target:
+            missed = completion.total_s > target
+            if missed:
                 self.misses += 1
                 self._last_miss_s = completion.time_s
             self._batch_avg += 0.05 * (completion.batch_size - self._batch_avg)
@@ -255,6 +262,12 @@ class Governor:
             if not completion.ok:
                 continue
             key = key_of(completion)
+            if missed and (key == self.current or (
+                    key is None and completion.time_s - completion.compute_s
+                    >= self._last_change_s)):
+                # A miss at the point in force (or on its way to it) counts against it.
+                self._fresh_miss_s = max(self._fresh_miss_s, completion.total_s)
+                self._fresh_miss_at_s = completion.time_s
             if key is None:
                 continue
             if key == self.current:
@@ -358,24 +371,28 @@ class Governor:
         return PointKey(gpu_hz=gpu, cpu_khz=cpu, emc_hz=self.top.emc_hz)
 
     def best(self, now_s: float, share_of_target: float, cap: ThermalCap | None = None,
-             queue_depth: int = 0, anchored: bool = False) -> tuple[PointKey, float] | None:
+             queue_depth: int = 0, anchored: bool = False, down: bool = False
+             ) -> tuple[PointKey, float] | None:
         """The cheapest allowed candidate whose P99 estimate is within ``share_of_target`` of
         the target (and which drains ``queue_depth`` requests inside it), with that estimate;
         ``None`` when none is (or nothing is learned yet). ``anchored``: no estimate below the
-        P99 observed at the point in force, scaled by the predicted compute ratio."""
+        P99 observed at the point in force, scaled by the predicted compute and queueing.
+        ``down``: a move down (a margin on the rate, and a busy share it must stay under)."""
         predicted = self._refresh(now_s)
         if predicted is None:
             return None
         anchor = 0.0  # observed P99 / single compute at the point in force, over its shape
         if anchored and self.current is not None:
-            held = self.held_p99_s()
+            held = self.observed_at_current_s(now_s)
             single_now = self.model.predict_s(self.current)
             if held is not None and single_now:
                 anchor = held / single_now / self._shape(self._busy(single_now, self._rate.planning_hz))
         rate = self._rate.planning_hz
         busy_limit = MAX_UTILISATION
-        if anchored:
-            # Moving down: plan for a rate a little above the measured one (a 2 s window of a
+        below = self.current if down else None
+        if down:
+            # Moving down: no clock goes up (a sideways move on a rising load is how a governor
+            # starts to oscillate); plan for a rate a little above the measured one (a 2 s window of a
             # Poisson stream is off by several per cent), and not into a load where a slow spell
             # builds a queue the lower clocks cannot drain.
             rate *= DOWN_RATE_FACTOR
@@ -396,6 +413,10 @@ class Governor:
         for candidate, single in zip(self.candidates, predicted):
             busy = rate * single * per_item
             if busy > busy_limit:
+                continue
+            if below is not None and (candidate.key.gpu_hz > below.gpu_hz
+                                      or candidate.key.cpu_khz > below.cpu_khz
+                                      or candidate.key.emc_hz > below.emc_hz):
                 continue
             p99 = single * self._multiplier(busy, margin)
             if anchor:
@@ -449,17 +470,14 @@ class Governor:
                 if key != current and self.cost(key) > self.cost(current):
                     return self._go(Choice(key=key, reason="queue emergency", predicted_s=drain,
                                            emergency=True), now)
-        if now - self._last_miss_s < MISS_HOLD_S:
-            reason = "over target" if current != top else "holding after a miss"
-            return self._go(Choice(key=top, reason=reason, predicted_s=None,
-                                   emergency=current != top), now)
         current_p99 = None if current is None else self.predict_p99_s(current)
-        held = self.held_p99_s()
-        if current_p99 is not None and held is not None:
-            current_p99 = max(current_p99, held)
+        observed = self.observed_at_current_s(now)
+        if current_p99 is not None and observed is not None:
+            current_p99 = max(current_p99, observed)
+        missed = observed is not None and observed > target
         if current is None or current_p99 is None or current_p99 > target \
                 or not self._allowed(current, cap):
-            found = self.best(now, UP_HEADROOM, cap)
+            found = self.best(now, UP_HEADROOM, cap, anchored=True)
             key, p99 = found if found is not None else (top, None)
             if current is not None and self._allowed(current, cap) \
                     and self.cost(key) <= self.cost(current):
@@ -467,13 +485,20 @@ class Governor:
                 # observation and go up.
                 key, p99 = top, None
             capped = current is not None and not self._allowed(current, cap)
-            return self._go(Choice(key=key, reason="thermal cap" if capped else "over target",
-                                   predicted_s=p99, emergency=capped), now)
+            reason = "thermal cap" if capped else "missed the target" if missed \
+                else "over target"
+            # A miss is an emergency (misses cluster, K26: the next is likely to miss too).
+            return self._go(Choice(key=key, reason=reason, predicted_s=p99,
+                                   emergency=capped or missed), now)
         # The point in force meets the target: move down only with slack, after a hold.
         if (now - self._last_change_s >= DOWN_HOLD_S and now - self._last_up_s >= DOWN_AFTER_UP_S
+                and now - self._last_miss_s >= MISS_HOLD_S
+                and (self._rate.slow_hz <= DOWN_RATE_FALL * self._rate_at_up_hz
+                     or (now - self._last_up_s >= DOWN_EXPLORE_S
+                         and self._rate.slow_hz <= self._rate_at_up_hz))
                 and now - self._last_down_check_s >= DOWN_CHECK_S):
             self._last_down_check_s = now
-            found = self.best(now, DOWN_BAND, cap, anchored=True)
+            found = self.best(now, DOWN_BAND, cap, anchored=True, down=True)
             if found is not None and found[0] != current \
                     and self.cost(found[0]) < DOWN_COST_GAIN * self.cost(current):
                 return self._go(Choice(key=found[0], reason="slack", predicted_s=found[1]), now)
@@ -493,8 +518,11 @@ class Governor:
         self._last_change_s = now_s
         if going_up:
             self._last_up_s = now_s
+            self._rate_at_up_hz = math.inf if choice.reason == "learning" \
+                else self._rate.planning_hz
         self.current = choice.key
         self._held.clear()
+        self._fresh_miss_s = 0.0
         return choice
 
     def placed(self, key: PointKey, now_s: float) -> None:
@@ -504,6 +532,7 @@ class Governor:
             self._ration.spend(changed_domains(self.current, key))
             self._last_change_s = now_s
             self._held.clear()
+            self._fresh_miss_s = 0.0
         self.current = key
 
     def held_p99_s(self) -> float | None:
@@ -512,6 +541,13 @@ class Governor:
             return None
         ordered = sorted(self._held)
         return ordered[min(len(ordered) - 1, int(TOTAL_QUANTILE * len(ordered)))]
+
+    def observed_at_current_s(self, now_s: float) -> float | None:
+        """The latency observed at the point in force: its P99, or a fresh miss there."""
+        held = self.held_p99_s()
+        if self._fresh_miss_s and now_s - self._fresh_miss_at_s < MISS_HOLD_S:
+            return max(held or 0.0, self._fresh_miss_s)
+        return held
 
     def observed_p99_s(self, window_s: float, now_s: float) -> float | None:
         values = sorted(total for time_s, total in self.recent if now_s - time_s <= window_s)

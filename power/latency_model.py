@@ -27,6 +27,8 @@ splits it (a guess; each new point observed corrects it)."""
 
 FORGETTING = 0.998  # per sample: old samples fade over a few thousand requests
 RATIO_WINDOW = 2000  # residual ratios kept for the margin
+ROBUST_AFTER = 20  # samples in a table before its updates are clipped
+ROBUST_SHARE = 0.25  # of the prediction: the largest error one sample may pull with
 TAIL_REFRESH = 50  # recompute the cached quantiles every this many samples
 
 
@@ -57,7 +59,13 @@ class _Table:
         px = [sum(cov[row][col] * features[col] for col in range(3)) for row in range(3)]
         denominator = FORGETTING + sum(features[row] * px[row] for row in range(3))
         gain = [value / denominator for value in px]
-        error = target - self.predict(features)
+        predicted = self.predict(features)
+        error = target - predicted
+        if self.samples >= ROBUST_AFTER:
+            # Huber-like: a slow spell (heavy-tailed, clustered) must not drag the typical time
+            # up; the tail is the margin's business, through the ratios.
+            bound = ROBUST_SHARE * max(predicted, 1e-6)
+            error = min(bound, max(-bound, error))
         self.theta = [max(0.0, t + g * error) for t, g in zip(self.theta, gain)]
         self.cov = [[(cov[row][col] - gain[row] * px[col]) / FORGETTING for col in range(3)]
                     for row in range(3)]

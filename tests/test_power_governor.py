@@ -1,0 +1,228 @@
+"""The governor: the latency model it learns, convergence without oscillation on step and ramp
+loads, the change ration, and its emergencies (a queue it cannot drain, a miss)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from power.controller import Controller
+from power.governor import Governor, changed_domains, cpu_levels
+from power.latency_model import LatencyModel, PointKey
+from power.types import Completion, LoadSample, PowerPolicy
+from tests.power_doubles import ORIN_NANO_TABLE, FakeClock, ServeResult, StrictBoard, serve
+
+TARGET_S = 0.050
+
+
+def poisson(rng: random.Random, start_s: float, end_s: float, rate_hz: float) -> list[float]:
+    times, now = [], start_s
+    while True:
+        now += rng.expovariate(rate_hz)
+        if now >= end_s:
+            return times
+        times.append(now)
+
+
+def run(arrivals: list[float], until_s: float, clock: FakeClock, board: StrictBoard,
+        policy: PowerPolicy | None = None) -> tuple[Controller, ServeResult]:
+    controller = Controller(board, policy or PowerPolicy(latency_target_s=TARGET_S), clock=clock)
+    controller.start()
+    return controller, serve(controller, board, clock, arrivals, until_s=until_s)
+
+
+def changes_between(result: ServeResult, start_s: float, end_s: float) -> list[tuple[int, int, int]]:
+    """The distinct points decided in [start, end), in order (a change each time it differs)."""
+    points = []
+    for decision in result.decisions:
+        if start_s <= decision.time_s < end_s and decision.changed:
+            point = decision.point
+            points.append((point.gpu_max_hz, point.cpu_max_khz, point.emc_hz))
+    return points
+
+
+def reversals(values: list[int]) -> int:
+    """How often a sequence changes direction (up then down, or down then up)."""
+    steps = [b - a for a, b in zip(values, values[1:]) if b != a]
+    return sum(1 for a, b in zip(steps, steps[1:]) if (a > 0) != (b > 0))
+
+
+# -- the latency model ---------------------------------------------------------------------
+
+def test_the_model_learns_k_over_f_plus_b_per_emc_point_and_predicts_untried_points() -> None:
+    model = LatencyModel(gpu_ref_hz=1020000000, cpu_ref_khz=1728000)
+
+    def truth(key: PointKey) -> float:
+        memory = {3199000000: 0.0024, 665600000: 0.012}[key.emc_hz]
+        return 0.0048 * 1020e6 / key.gpu_hz + 0.0008 * 1728000 / key.cpu_khz + memory
+
+    rng = random.Random(3)
+    tried = [PointKey(gpu_hz=gpu, cpu_khz=cpu, emc_hz=emc)
+             for gpu in (1020000000, 612000000, 408000000) for cpu in (1728000, 729600)
+             for emc in (3199000000, 665600000)]
+    for _ in range(60):
+        for key in tried:
+            model.observe(key, truth(key) * rng.uniform(0.98, 1.02))
+    untried = PointKey(gpu_hz=816000000, cpu_khz=1113600, emc_hz=665600000)
+    predicted = model.predict_s(untried)
+    assert predicted == pytest.approx(truth(untried), rel=0.05)
+    # The two EMC tables are apart: the slow memory point is not the fast one's.
+    fast = PointKey(gpu_hz=816000000, cpu_khz=1113600, emc_hz=3199000000)
+    assert model.predict_s(fast) == pytest.approx(truth(fast), rel=0.05)
+
+
+def test_an_emc_point_never_observed_is_predicted_slower_not_faster() -> None:
+    model = LatencyModel(gpu_ref_hz=1020000000, cpu_ref_khz=1728000)
+    seen = PointKey(gpu_hz=1020000000, cpu_khz=1728000, emc_hz=3199000000)
+    for _ in range(30):
+        model.observe(seen, 0.008)
+    slower = model.predict_s(PointKey(gpu_hz=1020000000, cpu_khz=1728000, emc_hz=665600000))
+    faster = model.predict_s(PointKey(gpu_hz=1020000000, cpu_khz=1728000, emc_hz=4000000000))
+    assert slower is not None and slower > 0.010
+    assert faster == pytest.approx(0.008, rel=0.02)  # no credit for an untried faster EMC
+
+
+def test_batches_cost_a_learned_share_of_one_more_request() -> None:
+    model = LatencyModel(gpu_ref_hz=1020000000, cpu_ref_khz=1728000)
+    key = PointKey(gpu_hz=1020000000, cpu_khz=1728000, emc_hz=3199000000)
+    for _ in range(200):
+        model.observe(key, 0.008)
+        model.observe(key, 0.008 * (1 + 0.4 * 3), batch_size=4)
+    assert model.batch_beta == pytest.approx(0.4, abs=0.05)
+
+
+def test_the_margin_is_a_quantile_of_the_observed_ratio_not_a_sigma() -> None:
+    model = LatencyModel(gpu_ref_hz=1020000000, cpu_ref_khz=1728000)
+    key = PointKey(gpu_hz=1020000000, cpu_khz=1728000, emc_hz=3199000000)
+    rng = random.Random(5)
+    for index in range(2000):
+        # Mostly 8 ms; 1 % of the requests in clustered slow spells 2.5x as long.
+        slow = (index // 10) % 100 == 50
+        model.observe(key, 0.008 * (2.5 if slow else rng.uniform(0.99, 1.01)))
+    assert model.tail_ratio(0.995) > 2.0  # a mean + 3 sigma of this sample would say ~1.45
+
+
+# -- convergence and oscillation -----------------------------------------------------------
+
+def test_a_step_load_converges_without_oscillating() -> None:
+    clock = FakeClock()
+    board = StrictBoard(clock=clock)
+    start = clock.now_s
+    rng = random.Random(11)
+    arrivals = poisson(rng, start + 0.1, start + 20, 15.0) + poisson(rng, start + 20, start + 45,
+                                                                     70.0)
+    _, result = run(arrivals, start + 45, clock, board)
+    assert result.miss_share(TARGET_S) <= 0.01
+    assert result.max_consecutive_misses(TARGET_S) <= 3
+    # Settled on each level: at most one adjustment in the last 8 s of each, and no reversal.
+    for begin, end in ((start + 12, start + 20), (start + 37, start + 45)):
+        settled = changes_between(result, begin, end)
+        assert len(settled) <= 1, settled
+    high = [point.gpu_max_hz or 0 for time_s, point in result.points if time_s > start + 30]
+    low = [point.gpu_max_hz or 0 for time_s, point in result.points
+           if start + 12 < time_s < start + 20]
+    assert sum(high) / len(high) > sum(low) / len(low)  # more load, higher clocks
+
+
+def test_a_load_between_two_cpu_levels_does_not_flip_between_them() -> None:
+    # A steady rate whose best point sits on a boundary: the hysteresis band must hold it.
+    clock = FakeClock()
+    board = StrictBoard(clock=clock)
+    start = clock.now_s
+    for rate_hz in (28.0, 33.0, 38.0):
+        arrivals = [start + 0.1 + i / rate_hz for i in range(int(30 * rate_hz))]
+        _, result = run(arrivals, start + 30, clock, board)
+        settled = changes_between(result, start + 10, start + 30)
+        assert len(settled) <= 2, (rate_hz, settled)
+        cpu = [point[1] or 0 for point in settled]
+        assert reversals(cpu) == 0, (rate_hz, settled)
+        start = clock.now_s
+
+
+def test_a_ramp_moves_the_gpu_one_way_without_reversals(capsys: pytest.CaptureFixture[str]) -> None:
+    clock = FakeClock()
+    board = StrictBoard(clock=clock)
+    start = clock.now_s
+    rng = random.Random(17)
+    arrivals: list[float] = []
+    for second in range(40):  # 5 -> 85 req/s over 40 s
+        arrivals += poisson(rng, start + second, start + second + 1, 5.0 + 2.0 * second)
+    _, result = run(arrivals, start + 40, clock, board)
+    gpu = [point[0] or 0 for point in changes_between(result, start + 3, start + 40)]
+    for d in result.decisions:
+        if d.changed:
+            print(round(d.time_s - start, 2), d.reason, d.point.gpu_max_hz, d.point.cpu_max_khz, d.point.emc_hz)
+    assert reversals(gpu) <= 1, gpu
+    assert result.miss_share(TARGET_S) <= 0.01
+
+
+def test_clock_changes_stay_within_the_ration() -> None:
+    clock = FakeClock()
+    board = StrictBoard(clock=clock)
+    start = clock.now_s
+    rng = random.Random(23)
+    arrivals: list[float] = []
+    for second in range(30):  # a load that jumps every second
+        arrivals += poisson(rng, start + second, start + second + 1, rng.choice((5, 30, 90)))
+    run(arrivals, start + 30, clock, board, PowerPolicy(max_changes_per_s=5.0))
+    limits = [name for name, _ in board.writes if name in ("gpu_max_hz", "cpu_max_khz", "emc_hz")]
+    assert limits  # it did govern
+    # Each write is one domain change; over the run, at most 5 a second on average (the
+    # emergencies may borrow, then pay back).
+    assert len(limits) <= 5.0 * 30 + 6
+
+
+# -- emergencies ---------------------------------------------------------------------------
+
+def test_a_queue_the_point_cannot_drain_goes_up_at_once() -> None:
+    clock = FakeClock()
+    board = StrictBoard(clock=clock)
+    start = clock.now_s
+    # A slow trickle teaches it a low point, then 40 requests arrive at once.
+    arrivals = [start + 0.1 + 0.25 * i for i in range(64)] + [start + 16.02] * 40
+    controller, result = run(arrivals, start + 17, clock, board)
+    before = [d for d in result.decisions if d.time_s < start + 16.02 and d.changed]
+    assert before and (before[-1].point.gpu_max_hz or 0) < 1020000000
+    assert before[-1].reason == "slack"  # not parked: the burst finds the learned point
+    after = [d for d in result.decisions if start + 16.02 <= d.time_s <= start + 16.08]
+    assert after and after[0].reason == "queue emergency" and after[0].changed
+    assert (after[0].point.gpu_max_hz or 0) > (before[-1].point.gpu_max_hz or 0)
+
+
+def test_a_miss_sends_it_up_before_the_next_request() -> None:
+    clock = FakeClock()
+    board = StrictBoard(clock=clock)
+    start = clock.now_s
+    arrivals = [start + 0.1 + 0.1 * i for i in range(150)]
+    # A slow spell at 10 s: five times as long.
+    slow = lambda now_s: 6.0 if start + 10.0 <= now_s < start + 10.15 else 1.0  # noqa: E731
+    controller = Controller(board, PowerPolicy(latency_target_s=TARGET_S), clock=clock)
+    controller.start()
+    result = serve(controller, board, clock, arrivals, until_s=start + 15, slow=slow)
+    before = [d for d in result.decisions if d.time_s < start + 10.0][-1]
+    missed = [d for d in result.decisions if d.reason == "missed the target" and d.changed]
+    assert missed and start + 10.0 < missed[0].time_s < start + 10.5
+    # Up at once, past the rationing, by as much as the miss says it must.
+    assert (missed[0].point.gpu_max_hz or 0) > (before.point.gpu_max_hz or 0)
+    assert result.max_consecutive_misses(TARGET_S) <= 2
+
+
+def test_the_governor_alone_never_leaves_the_clock_table() -> None:
+    governor = Governor(ORIN_NANO_TABLE, PowerPolicy())
+    for candidate in governor.candidates:
+        assert candidate.key.gpu_hz in ORIN_NANO_TABLE.gpu_hz
+        assert candidate.key.cpu_khz in ORIN_NANO_TABLE.cpu_khz
+        assert candidate.key.emc_hz in ORIN_NANO_TABLE.emc_hz
+    assert cpu_levels(ORIN_NANO_TABLE.cpu_khz)[0] == ORIN_NANO_TABLE.cpu_khz[0]
+    assert cpu_levels(ORIN_NANO_TABLE.cpu_khz)[-1] == ORIN_NANO_TABLE.cpu_khz[-1]
+    assert changed_domains(governor.top, governor.bottom) == 3
+    # Nothing learned: the top point, whatever the load says.
+    choice = governor.choose(LoadSample(time_s=1.0, queue_depth=0, busy_instances=0,
+                                        instances=1, arrivals_total=0, completed_total=0))
+    assert choice.key == governor.top and choice.reason == "learning"
+    governor.observe(LoadSample(time_s=1.05, queue_depth=0, busy_instances=0, instances=1,
+                                arrivals_total=1, completed_total=1),
+                     [Completion(time_s=1.05, total_s=0.009, compute_s=0.008)],
+                     lambda completion: governor.top)
+    assert governor.model.ready
