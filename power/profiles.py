@@ -182,6 +182,7 @@ ORIN_NX_16GB = BoardProfile(
     emc_hz=(204000000, 665600000, 2133000000, 3199000000),
     cpu_floor_khz=729600,
     nvpmodel_conf="nvpmodel_p3767_0000.conf",
+    # IDs and names [FX, Seeed doc]; the caps are illustrative [I] (not in the references).
     modes=(
         NvpmodelMode(mode_id=0, name="MAXN"),
         NvpmodelMode(mode_id=1, name="10W", cpu_max_khz=1190400, gpu_max_hz=612000000,
@@ -210,6 +211,8 @@ AGX_ORIN_64GB = BoardProfile(
     cpu_floor_khz=729600,
     nvpmodel_conf="nvpmodel_p3701_0000.conf",
     modes=(
+        # Caps from jtop's JetPack 5 emulator for the CPU; the GPU caps quoted for r35/r36 (the
+        # emulator's are 420.75/624.75/828.75 MHz) are UNCONFIRMED [jetson_power.md].
         NvpmodelMode(mode_id=0, name="MAXN"),
         NvpmodelMode(mode_id=1, name="MODE_15W", cpu_max_khz=1113600, gpu_max_hz=408000000,
                      cpus_online=4),
@@ -237,6 +240,8 @@ XAVIER_NX = BoardProfile(
     emc_hz=(204000000, 665600000, 1065600000, 1331200000, 1600000000, 1866000000),
     cpu_floor_khz=1190400,
     nvpmodel_conf="nvpmodel_t194_p3668.conf",
+    # Xavier NX's modes, tables and EMC rates are illustrative [I]: the references list only the
+    # GPU table's span (114.75-1109.25 MHz, 15 steps) [FX].
     modes=(
         NvpmodelMode(mode_id=0, name="MODE_15W_2CORE", cpu_max_khz=1907200,
                      gpu_max_hz=1109250000, emc_max_hz=1600000000, cpus_online=2),
@@ -268,6 +273,7 @@ AGX_XAVIER = BoardProfile(
     emc_hz=(204000000, 665600000, 1065600000, 1331200000, 1600000000, 2133000000),
     cpu_floor_khz=1200000,
     nvpmodel_conf="nvpmodel_t194.conf",
+    # IDs, names and GPU/EMC caps [JS-nvp-emu]; the CPU caps and core counts are [I].
     modes=(
         NvpmodelMode(mode_id=0, name="MAXN"),
         NvpmodelMode(mode_id=1, name="MODE_10W", cpu_max_khz=1190400, gpu_max_hz=522750000,
