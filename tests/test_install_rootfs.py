@@ -172,7 +172,8 @@ def test_owners_given_at_boot_are_what_tmpfiles_gives(tmp_path: Path) -> None:
             assert entry.owner == "root:root", path
     secrets = [entry for entry in entries if entry.path.name in ("mqtt-password", "agent.toml")]
     assert {(entry.mode, entry.owner) for entry in secrets} == {(0o640, "root:edge-agent")}
-    assert boot["/var/lib/edge-agent"] == (0o750, "edge-agent:edge-agent")
+    # The state directory is the unit's StateDirectory=, not tmpfiles' (see the first model).
+    assert "/var/lib/edge-agent" not in boot
 
 
 def test_the_configuration_is_the_documented_example_with_the_device_values(
@@ -343,3 +344,36 @@ def test_the_command_line_installs_and_uninstalls(tmp_path: Path) -> None:
                             timeout=120, check=False)
     assert undone.returncode == 0, undone.stderr
     assert as_it_was(snapshot(tree)) == as_it_was(before)
+
+
+def test_a_first_model_is_installed_into_the_trees_store_and_made_current(
+        tmp_path: Path) -> None:
+    pytest.importorskip("onnx")
+    from agent.store.store import ModelStore
+    from models.signing import load_private_key, load_public_key, write_keypair
+    from tests.tiny_models import make_bundle
+
+    write_keypair(tmp_path / "bundle")
+    bundle, _ = make_bundle(tmp_path, key=load_private_key(tmp_path / "bundle"))
+    tree = skeleton(tmp_path / "rootfs")
+    rootfs.install(tree, service_entries(REPO, wheelhouse=wheelhouse(tmp_path / "wh"),
+                                         bundle_keys=[tmp_path / "bundle.pub"]))
+    assert rootfs.install_first_model(tree, bundle, [tmp_path / "bundle.pub"]) == "tiny v1"
+    first = snapshot(tree / "var/lib/edge-agent")
+    assert rootfs.install_first_model(tree, bundle, [tmp_path / "bundle.pub"]) == "tiny v1"
+    again = snapshot(tree / "var/lib/edge-agent")
+    # The store's lock file holds the pid of its last opener; nothing else is rewritten.
+    assert again.keys() == first.keys()
+    assert {path: item for path, item in as_it_was(again).items() if path != "lock"} == \
+        {path: item for path, item in as_it_was(first).items() if path != "lock"}
+    with ModelStore(tree / "var/lib/edge-agent",
+                    trusted_keys=[load_public_key(tmp_path / "bundle.pub")]) as store:
+        current = store.current()
+        assert current is not None and (current.name, current.version) == ("tiny", 1)
+    # Root's until the first start: StateDirectory= hands the store to the user then.
+    assert (tree / "var/lib/edge-agent").stat().st_mode & 0o777 == 0o750
+    write_keypair(tmp_path / "other")
+    from agent.errors import SignatureError
+
+    with pytest.raises(SignatureError):
+        rootfs.install_first_model(skeleton(tmp_path / "r2"), bundle, [tmp_path / "other.pub"])

@@ -238,16 +238,12 @@ def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
     entries = layout.service_entries(REPO, wheelhouse=wheelhouse(), device_files=device,
                                      bundle_keys=[public_key_path(work / "bundle")])
     rootfs.install(root, entries)
-    # The first model: a fresh board has none, so the test's drop-in gives the daemon one to
-    # install at start (a fleet device gets it from its desired document instead).
+    # The first model, installed into the tree's store as root (the daemon does not start
+    # without one); StateDirectory= gives it to the daemon's user at the first start.
+    rootfs.install_first_model(root, bundle, [public_key_path(work / "bundle")])
     (root / "etc/edge-agent/test").mkdir(mode=0o755)
-    shutil.copyfile(bundle, root / "etc/edge-agent/test/tiny.bundle")
-    os.chmod(root / "etc/edge-agent/test/tiny.bundle", 0o644)
     dropin = root / "etc/systemd/system/edge-agent.service.d"
     dropin.mkdir(parents=True)
-    (dropin / "50-first-model.conf").write_text(
-        "[Service]\nExecStart=\nExecStart=/opt/edge-agent/venv/bin/edge-agent serve --config "
-        "/etc/edge-agent/agent.toml --bundle /etc/edge-agent/test/tiny.bundle\n")
     # A probe run in the daemon's own sandbox (ExecStartPost= gets the unit's settings): what
     # it may and may not do, written to its state directory.
     (root / "etc/edge-agent/test/sandbox_probe.py").write_text(SANDBOX_PROBE)

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bundle-key", type=Path, action="append", default=[], metavar="PUB",
                         help="a public key whose bundles the device installs (repeatable)")
     parser.add_argument("--device-id", help="the device's id (device_id in agent.toml)")
+    parser.add_argument("--bundle", type=Path, metavar="FILE",
+                        help="a first model to serve at first boot (signed by a trusted key)")
     parser.add_argument("--uninstall", action="store_true",
                         help="remove what an earlier install put in the tree")
     parser.add_argument("--purge", action="store_true",
@@ -62,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
                 device_files=args.device_files, bundle_keys=args.bundle_key,
                 device_id=args.device_id)
             report = rootfs.install(args.rootfs, entries)
+            if args.bundle is not None:
+                keys = list(args.bundle_key)
+                if args.device_files is not None:
+                    keys += sorted((args.device_files / "bundle-keys").glob("*.pub"))
+                print(f"first model: {rootfs.install_first_model(args.rootfs, args.bundle, keys)}")
     except AgentError as exc:
         print(f"install_rootfs.py: {exc}", file=sys.stderr)
         return 1

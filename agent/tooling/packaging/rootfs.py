@@ -30,7 +30,7 @@ from agent.errors import ConfigError
 from agent.fsutil import atomic_write_bytes
 from agent.tooling.packaging.layout import PREFIX, Entry
 
-__all__ = ["MANIFEST", "Report", "install", "uninstall"]
+__all__ = ["MANIFEST", "Report", "install", "install_first_model", "uninstall"]
 
 log = logging.getLogger(__name__)
 
@@ -250,3 +250,34 @@ def uninstall(rootfs: Path, *, purge: bool = False) -> Report:
             path.rmdir()
             report.removed.append(directory)
     return report
+
+
+def install_first_model(rootfs: Path, bundle: Path, trusted_keys: Sequence[Path]) -> str:
+    """Install ``bundle`` into the tree's model store and make it current, so that the daemon
+    has a model to serve at first boot (it does not start without one). The bundle is
+    verified against ``trusted_keys`` (the keys the device will trust) as the daemon would.
+
+    The files are root's until the daemon's first start: ``StateDirectory=`` then gives the
+    whole store to the edge-agent user, because its top directory is not the user's yet.
+    Installing the version that is current already does nothing.
+
+    Returns:
+        ``name vVERSION`` of the installed model.
+
+    Raises:
+        BundleError, SignatureError: the bundle does not verify.
+        StoreError: the tree's state directory cannot be used.
+    """
+    from agent.store.store import ModelStore
+    from models.signing import load_public_key
+
+    state_dir = _inside(Path(rootfs), DATA_DIRS[0])
+    keys = [load_public_key(Path(path)) for path in trusted_keys]
+    with ModelStore(state_dir, trusted_keys=keys) as store:
+        current = store.current()
+        installed = store.install(Path(bundle))
+        if current is None or (current.name, current.version) != (installed.name,
+                                                                   installed.version):
+            store.activate(installed.name, installed.version)
+    os.chmod(state_dir, 0o750)
+    return f"{installed.name} v{installed.version}"
