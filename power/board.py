@@ -200,6 +200,16 @@ class Board:
     def capabilities(self) -> dict[str, str | None]:
         return {control: self._problems.get(control) for control in CONTROLS}
 
+    def describe(self) -> dict[str, Any]:
+        """What this board is and can do, JSON-able (for ``edge-agent power status``)."""
+        table = self._table
+        return {"board": self.name, "model": self.model, "compatible": list(self.compatible),
+                "release": self.release, "jetpack": self.jetpack,
+                "gpu_hz": list(table.gpu_hz), "cpu_khz": list(table.cpu_khz),
+                "emc_hz": list(table.emc_hz),
+                "nvpmodel_modes": {str(mode_id): name for mode_id, name in table.nvpmodel_modes},
+                "capabilities": self.capabilities()}
+
     def usable(self, control: str) -> bool:
         return control not in self._problems
 

@@ -266,3 +266,16 @@ def test_without_jtop_or_its_service_auto_uses_sysfs_and_jtop_says_why(
         open_telemetry(board, "jtop")
     with pytest.raises(PowerError, match="unknown telemetry source"):
         open_telemetry(board, "tegrastats")
+
+
+def test_describe_says_what_the_board_is_and_cannot_do(tmp_path: Path) -> None:
+    import json
+
+    tree = fake_board(tmp_path, "orin-nano", 6, debugfs=False)
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
+    described = json.loads(json.dumps(board.describe()))
+    assert described["board"] == "orin-nano-super" and described["release"] == "R36.4.3"
+    assert described["jetpack"] == 6 and described["emc_hz"] == []
+    assert described["nvpmodel_modes"]["2"] == "MAXN_SUPER"
+    assert described["capabilities"]["emc"].startswith("no EMC control in debugfs")
+    assert described["capabilities"]["gpu"] is None
