@@ -4,12 +4,19 @@ profiles, the power states, the wake hook, telemetry cadence and the status docu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from agent.errors import PowerError
+from power.board import Board
 from power.controller import Controller, MemoryStore
+from power.saved import SavedSnapshot
+from power.sim.commands import FakeCommands
+from power.sim.kernel import FakeKernel
+from power.sim.tree import FakeTree
 from power.types import TRANSITIONS, LoadSample, PowerPolicy, PowerState
+from tests.power_boards import fake_board
 from tests.power_doubles import FakeClock, StrictBoard, serve
 
 
@@ -173,3 +180,62 @@ def test_every_state_change_follows_the_transition_table() -> None:
         assert after in TRANSITIONS[before] or (before, after) == (
             PowerState.SLEEPING, PowerState.ACTIVE)  # through WAKING inside one wake()
     assert PowerState.SLEEPING in seen and PowerState.IDLE in seen
+
+
+# -- over the real board layer on a fake tree ----------------------------------------------
+
+def real_board(tmp_path: Path, jetpack: int = 6) -> tuple[Board, FakeTree]:
+    tree = fake_board(tmp_path, "orin-nano", jetpack)
+    kernel = FakeKernel(tree.root, jetpack)
+    return Board.open(tree.root, writer=kernel, runner=FakeCommands(tree.root, kernel)), tree
+
+
+def files(tree: FakeTree) -> dict[str, str]:
+    names = [f"{tree.gpu_freq_dir}/min_freq", f"{tree.gpu_freq_dir}/max_freq"]
+    names += [f"{policy}/scaling_{end}_freq" for policy in tree.policies for end in ("min", "max")]
+    if tree.emc_dir is not None:
+        names.append(f"{tree.emc_dir}/mrq_rate_locked")
+    return {name: tree.get(name) for name in names}
+
+
+@pytest.mark.parametrize("jetpack", [6, 7])
+def test_over_the_real_board_the_pinned_point_reads_back_and_stop_restores_the_files(
+        tmp_path: Path, jetpack: int) -> None:
+    board, tree = real_board(tmp_path, jetpack)
+    before = files(tree)
+    clock = FakeClock()
+    store = SavedSnapshot(tmp_path / "power-snapshot.json")
+    controller = Controller(board, PowerPolicy(idle_after_s=0.3), clock=clock, saved=store)
+    controller.start()
+    assert store.load() is not None
+    table = board.clock_table()
+    assert tree.get(f"{tree.gpu_freq_dir}/max_freq") == str(table.gpu_hz[-1])
+    for _ in range(20):  # no request: idle, the lowest clocks
+        clock.advance(0.05)
+        decision = controller.step(load(clock))
+    assert decision.state is PowerState.IDLE
+    assert decision.point.gpu_max_hz == table.gpu_hz[0]
+    assert board.read_point().gpu_max_hz == table.gpu_hz[0]  # read back from the files
+    assert tree.get(f"{tree.gpu_freq_dir}/min_freq") == str(table.gpu_hz[0])
+    if tree.emc_dir is not None and board.usable("emc"):
+        assert tree.get(f"{tree.emc_dir}/mrq_rate_locked") == "1"
+    controller.stop()
+    assert files(tree) == before  # EMC unlocked again, every limit as it was
+    assert store.load() is None
+
+
+def test_over_the_real_board_a_crashed_run_is_undone_at_the_next_start(tmp_path: Path) -> None:
+    board, tree = real_board(tmp_path)
+    before = files(tree)
+    store = SavedSnapshot(tmp_path / "power-snapshot.json")
+    clock = FakeClock()
+    crashed = Controller(board, PowerPolicy(profile="min"), clock=clock, saved=store)
+    crashed.start()  # ... and the process dies here: no stop()
+    assert files(tree) != before
+    kernel = FakeKernel(tree.root, 6)  # a new process: a new board over the same files
+    board_again = Board.open(tree.root, writer=kernel, runner=FakeCommands(tree.root, kernel))
+    restarted = Controller(board_again, PowerPolicy(profile="stock"), clock=clock, saved=store)
+    restarted.start()
+    assert files(tree) == before  # the crashed run's limits are gone before anything else
+    restarted.stop()
+    assert files(tree) == before and store.load() is None
