@@ -123,3 +123,18 @@ def test_a_missing_figure_is_a_missed_target() -> None:
     assert targets["slo_attainment"] is None and summary["targets_met"] is False
     table = "\n".join(format_targets(summary))
     assert "MISSED (no figure)" in table and "SIMULATION" in table
+
+
+def test_the_ceiling_grid_and_its_trace_names() -> None:
+    from agent.errors import ConfigError
+    from agent.tooling.powerbench.runner import parse_traces, static_points
+
+    assert parse_traces("periodic, saturated") == ("periodic", "saturated")
+    assert parse_traces("") == ()
+    with pytest.raises(ConfigError, match="unknown trace"):
+        parse_traces("periodic,hourly")
+    points = static_points("orin-nano-super")
+    assert len(points) == len(set(points)) > 10
+    assert all(p.gpu_min_hz == p.gpu_max_hz and p.cpu_min_khz == p.cpu_max_khz for p in points)
+    assert {p.gpu_max_hz for p in points} >= {306000000, 1020000000}
+    assert min(p.cpu_min_khz or 0 for p in points) == 729600  # nvpmodel's floor, not 115 MHz

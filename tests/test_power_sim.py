@@ -306,3 +306,18 @@ def test_max_clocks_may_let_the_rail_gate_for_the_sensitivity_run(tmp_path: Path
         idle_mw[keep] = board.power_now_mw()
     assert idle_mw[True] == pytest.approx(9100, rel=0.02)  # the pinned-idle anchor
     assert idle_mw[False] < idle_mw[True] - 2000
+
+
+def test_a_pinned_point_goes_through_the_board_layer_and_is_in_force(tmp_path: Path) -> None:
+    from power.sim.baselines import PinnedPoint
+    from power.types import OperatingPoint
+
+    board, kernel = _board(tmp_path)
+    point = OperatingPoint(gpu_min_hz=510000000, gpu_max_hz=510000000, cpu_min_khz=1190400,
+                           cpu_max_khz=1190400, emc_hz=665600000, gpu_railgate=True)
+    PinnedPoint(board, kernel, point).start(0.0)
+    board.sync()
+    board.begin_gpu_work(cpu_share=0.2)  # busy: podgov would go up, the limits hold it
+    board.advance(1.0)
+    assert board.effective() == (510000000, 1190400, 665600000)
+    assert any(path.endswith("mrq_rate_locked") for path, _ in kernel.log)

@@ -244,6 +244,10 @@ def register_power(kinds: argparse._SubParsersAction) -> None:
                        help="let the max baseline's GPU rail gate when idle (default: kept on, "
                             "as the pinned-idle anchor is read); shows how much the figures "
                             "against max depend on that")
+    power.add_argument("--ceiling", default="", metavar="TRACES",
+                       help="also search static operating points for the cheapest that meets "
+                            "the target on these traces (comma list, e.g. periodic,saturated; "
+                            "slow): how much each energy target allows under the simulation")
     power.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
     power.add_argument("--plot", type=Path, metavar="PNG",
                        help="the plot (default: next to --json, else none)")
@@ -253,7 +257,7 @@ def register_power(kinds: argparse._SubParsersAction) -> None:
 def run_power(args: argparse.Namespace) -> int:
     from agent.tooling.powerbench.plot import write_plot
     from agent.tooling.powerbench.report import check_targets, format_summary
-    from agent.tooling.powerbench.runner import PowerBenchOptions, run_bench
+    from agent.tooling.powerbench.runner import PowerBenchOptions, parse_traces, run_bench
 
     check_json_path(args.json)
     plot = args.plot if args.plot is not None else (
@@ -262,7 +266,8 @@ def run_power(args: argparse.Namespace) -> int:
     options = PowerBenchOptions(board=args.board, jetpack=args.jetpack, mode_id=args.mode,
                                 seed=args.seed, quick=args.quick,
                                 latency_target_s=args.target_ms / 1000,
-                                max_keeps_rail_on=not args.max_rail_gating)
+                                max_keeps_rail_on=not args.max_rail_gating,
+                                ceiling_traces=parse_traces(args.ceiling))
     summary, outcomes = run_bench(options)
     check_targets(summary)
     if plot is not None:

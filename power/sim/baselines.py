@@ -7,18 +7,22 @@
   GPU, schedutil for the CPUs, EMC unlocked, rail gating on), as :mod:`power.sim.podgov` and
   :mod:`power.sim.cpugov` model them from their source.
 
-Both follow :class:`power.sim.serving.Strategy`.
+* :class:`PinnedPoint`: one operating point for a whole trace (the static reference of
+  ``bench power --ceiling``).
+
+All follow :class:`power.sim.serving.Strategy`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agent.errors import PowerError
 from power.io import FileWriter, Writer
 from power.jetson_clocks import JetsonClocks
 from power.sim.board import SimBoard
 from power.sim.commands import FakeCommands
-from power.types import Completion, LoadSample
+from power.types import Completion, LoadSample, OperatingPoint
 
 
 class MaxClocks:
@@ -58,6 +62,41 @@ class MaxClocks:
         pass
 
 
+class PinnedPoint:
+    """One operating point pinned for a whole trace through the board layer
+    (:meth:`power.board.Board.apply`): the static reference the benchmark's ``--ceiling`` searches
+    for the cheapest point that meets the target."""
+
+    name = "pinned"
+
+    def __init__(self, board: SimBoard, writer: Writer, point: OperatingPoint) -> None:
+        self._board = board
+        self._writer = writer
+        self.point = point
+
+    def start(self, now_s: float) -> None:
+        from power.board import Board
+
+        root = self._board.root
+        result = Board.open(root, writer=self._writer,
+                            runner=FakeCommands(root, self._writer)).apply(self.point)
+        if not result.ok:
+            raise PowerError("a pinned point did not read back as written",
+                             mismatches=", ".join(m.path for m in result.mismatches))
+
+    def step(self, load: LoadSample, completions: Sequence[Completion]) -> None:
+        pass
+
+    def sleeping(self) -> bool:
+        return False
+
+    def wake(self, now_s: float) -> None:
+        pass
+
+    def stop(self, now_s: float) -> None:
+        pass
+
+
 class StockGovernors:
     """The board as it boots: its own governors decide (modelled in the simulator)."""
 
@@ -79,4 +118,4 @@ class StockGovernors:
         pass
 
 
-__all__ = ["MaxClocks", "StockGovernors"]
+__all__ = ["MaxClocks", "PinnedPoint", "StockGovernors"]

@@ -137,9 +137,26 @@ def format_calibration(calibration: dict[str, Any]) -> list[str]:
     return lines
 
 
+def format_ceiling(summary: dict[str, Any]) -> list[str]:
+    ceiling = summary.get("static_ceiling") or {}
+    if not ceiling:
+        return []
+    lines = ["cheapest static point meeting the target (in-sample, a reference, not a governor)"]
+    for trace, entry in ceiling.items():
+        if entry["point"] is None:
+            lines.append(f"  {trace}: no static point of the grid meets the target")
+            continue
+        point = entry["point"]
+        lines.append(f"  {trace}: saves {_number(entry['energy_saving_vs_max'])} vs max at GPU "
+                     f"{point['gpu_max_hz'] / 1e6:.0f} MHz, CPU {point['cpu_max_khz'] / 1e3:.0f} "
+                     f"MHz, EMC {point['emc_hz'] / 1e6:.0f} MHz (P99 "
+                     f"{_number(entry['p99_ms'], 1)} ms)")
+    return ["", *lines]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
-    return "\n".join([*format_traces(summary), "", *format_targets(summary), "",
-                      *format_calibration(summary["calibration"])])
+    return "\n".join([*format_traces(summary), *format_ceiling(summary), "",
+                      *format_targets(summary), "", *format_calibration(summary["calibration"])])
 
 
 __all__ = ["TARGETS", "Target", "check_targets", "format_summary"]

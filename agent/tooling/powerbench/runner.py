@@ -18,16 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.errors import ConfigError
 from agent.tooling.powerbench.strategies import OurGovernor, ours_available
 from power.profiles import profile
-from power.sim.baselines import MaxClocks, StockGovernors
+from power.sim.baselines import MaxClocks, PinnedPoint, StockGovernors
 from power.sim.board import SimBoard, TimelinePoint
 from power.sim.kernel import FakeKernel
 from power.sim.physics import LatencyNoise, compute_s, physics_for
 from power.sim.serving import ServingConfig, ServingResult, Strategy, run_serving
 from power.sim.traces import Trace, bursty, daily, periodic, saturated
 from power.sim.tree import write_tree
-from power.types import PowerPolicy
+from power.types import OperatingPoint, PowerPolicy
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class PowerBenchOptions:
     # The max baseline keeps the GPU rail on (the 9.1 W pinned idle anchor); False: it may gate,
     # the sensitivity of every "vs max" figure to that assumption.
     max_keeps_rail_on: bool = True
+    # Also search a grid of static operating points for the cheapest that meets the target on
+    # these traces: a reference for how much a target allows under the simulated physics.
+    ceiling_traces: tuple[str, ...] = ()
 
 
 @dataclass
@@ -64,6 +68,16 @@ class RunOutcome:
     result: ServingResult
     timeline: list[TimelinePoint] = field(default_factory=list)
     sleep_power_mw: float | None = None
+
+
+def parse_traces(text: str) -> tuple[str, ...]:
+    """``periodic,saturated`` -> the trace names, refusing one the benchmark does not run."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in TRACES]
+    if unknown:
+        raise ConfigError("unknown trace", key="--ceiling", found=", ".join(unknown),
+                          known=", ".join(TRACES))
+    return names
 
 
 def top_mode(board_name: str) -> int:
@@ -110,8 +124,10 @@ def make_traces(options: PowerBenchOptions) -> list[Trace]:
     ]
 
 
-def _strategy(name: str, board: SimBoard, options: PowerBenchOptions, writer: FakeKernel
-              ) -> Strategy:
+def _strategy(name: str, board: SimBoard, options: PowerBenchOptions, writer: FakeKernel,
+              point: OperatingPoint | None = None) -> Strategy:
+    if point is not None:
+        return PinnedPoint(board, writer, point)
     if name == "max":
         return MaxClocks(board, writer, keep_rail_on=options.max_keeps_rail_on)
     if name == "stock":
@@ -122,7 +138,7 @@ def _strategy(name: str, board: SimBoard, options: PowerBenchOptions, writer: Fa
 
 
 def run_one(trace: Trace, strategy_name: str, options: PowerBenchOptions, *,
-            record_timeline: bool) -> RunOutcome:
+            record_timeline: bool, point: OperatingPoint | None = None) -> RunOutcome:
     board_profile = profile(options.board)
     mode_id = top_mode(options.board) if options.mode_id is None else options.mode_id
     with tempfile.TemporaryDirectory(prefix="powerbench-") as work:
@@ -132,7 +148,7 @@ def run_one(trace: Trace, strategy_name: str, options: PowerBenchOptions, *,
         kernel = FakeKernel(root, options.jetpack)
         board = SimBoard(root=root, physics=physics_for(board_profile.name),
                          record_timeline=True, kernel=kernel)
-        strategy = _strategy(strategy_name, board, options, kernel)
+        strategy = _strategy(strategy_name, board, options, kernel, point)
         noise = LatencyNoise(board.physics, seed=options.seed * 7919 + TRACES.index(trace.name))
         config = ServingConfig(max_batch=options.max_batch, step_period_s=options.step_period_s)
         result = run_serving(board, trace, strategy, config=config, noise=noise)
@@ -199,6 +215,41 @@ def trace_figures(outcome: RunOutcome, target_s: float) -> dict[str, Any]:
         "sleep_power_mw": outcome.sleep_power_mw,
         "duration_s": result.duration_s,
     }
+
+
+def static_points(board_name: str) -> list[OperatingPoint]:
+    """The grid ``--ceiling`` searches: every other GPU entry (and the top), the EMC rates from
+    665.6 MHz up, the CPU floor, middle and top; the rail allowed to gate."""
+    board = profile(board_name)
+    gpus = sorted({*board.gpu_hz[::2], board.gpu_hz[-1]})
+    floor_index = board.cpu_khz.index(board.cpu_floor_khz) if board.cpu_floor_khz in \
+        board.cpu_khz else 0
+    cpus = sorted({board.cpu_khz[floor_index],
+                   board.cpu_khz[(floor_index + len(board.cpu_khz) - 1) // 2],
+                   board.cpu_khz[-1]})
+    emcs = [rate for rate in board.emc_hz if rate >= 665600000] or list(board.emc_hz)
+    return [OperatingPoint(gpu_min_hz=gpu, gpu_max_hz=gpu, cpu_min_khz=cpu, cpu_max_khz=cpu,
+                           emc_hz=emc, gpu_railgate=True)
+            for gpu in gpus for cpu in cpus for emc in emcs]
+
+
+def static_ceiling(trace: Trace, options: PowerBenchOptions, max_figures: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """The cheapest static point that meets the target on ``trace`` (in-sample: chosen on the
+    very arrivals and noise it is scored on, so an optimistic reference, not a governor)."""
+    best: dict[str, Any] | None = None
+    for point in static_points(profile(options.board).name):
+        figures = trace_figures(run_one(trace, "pinned", options, record_timeline=False,
+                                        point=point), options.latency_target_s)
+        if not figures["meets_target"]:
+            continue
+        if best is None or figures["energy_per_inference_mj"] < best["energy_per_inference_mj"]:
+            best = {**figures, "point": point.to_json()}
+    if best is None:
+        return {"point": None, "energy_saving_vs_max": None}
+    return {"point": best["point"], "p99_ms": best["p99_ms"],
+            "energy_per_inference_mj": best["energy_per_inference_mj"],
+            "energy_saving_vs_max": _saving(best, max_figures)}
 
 
 def _percentile(ordered: list[float], share: float) -> float:
@@ -293,7 +344,13 @@ def run_bench(options: PowerBenchOptions) -> tuple[dict[str, Any], dict[str, lis
             figures[trace.name][name] = trace_figures(outcome, options.latency_target_s)
             outcomes[trace.name].append(outcome)
     calibration = calibrate(profile(options.board).name, seed=options.seed, quick=options.quick)
-    return summarize(options, figures, calibration, unavailable), outcomes
+    summary = summarize(options, figures, calibration, unavailable)
+    traces = {trace.name: trace for trace in make_traces(options)} if options.ceiling_traces \
+        else {}
+    summary["static_ceiling"] = {
+        name: static_ceiling(traces[name], options, figures[name]["max"])
+        for name in options.ceiling_traces if name in traces and "max" in figures[name]}
+    return summary, outcomes
 
 
 __all__ = ["STRATEGIES", "TRACES", "PowerBenchOptions", "RunOutcome", "make_traces", "run_bench",
