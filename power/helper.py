@@ -47,31 +47,26 @@ import selectors
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.errors import AgentError, PowerError
+from power.commands import CommandRunner, SubprocessRunner
 from power.io import FileWriter, WriteRule, allowed_writes, read_text
+from power.nvpmodel import STATUS as NVPMODEL_STATUS
+from power.nvpmodel import read_status
 
 __all__ = ["MAX_LINE_BYTES", "PowerHelper", "Snapshot", "listening_socket", "main", "peer_uid"]
 
 log = logging.getLogger(__name__)
 
 MAX_LINE_BYTES = 4096
-NVPMODEL_STATUS = "var/lib/nvpmodel/status"
 SD_LISTEN_FDS_START = 3
-
-CommandRunner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
-
-
-def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    """Run a board command (``nvpmodel``) with a deadline, its output captured."""
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, check=False)
+NVPMODEL_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -93,36 +88,25 @@ def peer_uid(connection: socket.socket) -> int:
     return uid
 
 
-def _nvpmodel_mode(root: Path) -> int | None:
-    """The mode nvpmodel's status file names (``pmode:0002 fmode:...``), None when unknown."""
-    try:
-        text = read_text(root, NVPMODEL_STATUS)
-    except OSError:
-        return None
-    for word in text.split():
-        if word.startswith("pmode:") and word[6:].isdigit():
-            return int(word[6:])
-    return None
-
-
 class PowerHelper:
     """The helper's decisions, apart from the socket: validate, write, remember, restore.
 
     Args:
         root: The board's root (``/``; a fake tree in tests).
         allowed_uid: The only peer uid whose requests are served.
-        runner: Runs ``nvpmodel`` (tests pass a strict fake).
+        runner: Runs ``nvpmodel`` (:class:`power.commands.SubprocessRunner`; tests pass the
+            strict fake of power/sim/commands.py).
         rules: The allowed writes (default: :func:`power.io.allowed_writes` of ``root``).
         modes: The nvpmodel mode ids the board's profile has (default: from its profile, none
             when the board is not a known one).
     """
 
-    def __init__(self, root: Path, *, allowed_uid: int, runner: CommandRunner = run_command,
+    def __init__(self, root: Path, *, allowed_uid: int, runner: CommandRunner | None = None,
                  rules: dict[str, WriteRule] | None = None,
                  modes: Sequence[int] | None = None, board: str | None = None) -> None:
         self.root = Path(root)
         self.allowed_uid = allowed_uid
-        self.runner = runner
+        self.runner: CommandRunner = runner or SubprocessRunner()
         self.rules = allowed_writes(self.root) if rules is None else rules
         self.board = board
         if modes is None:
@@ -193,7 +177,7 @@ class PowerHelper:
             raise PowerError("not an nvpmodel mode of this board's profile", mode=mode,
                              board=self.board, modes=",".join(map(str, sorted(self.modes))))
         if self.snapshot.nvpmodel_mode is None:
-            current = _nvpmodel_mode(self.root)
+            current = read_status(self.root)
             if current is None:
                 raise PowerError("nvpmodel's current mode cannot be read, so it could not be "
                                  "restored; refusing to change it", path=NVPMODEL_STATUS)
@@ -201,10 +185,10 @@ class PowerHelper:
         self._run_nvpmodel(mode)
 
     def _run_nvpmodel(self, mode: int) -> None:
-        result = self.runner(["nvpmodel", "-m", str(mode)])
-        if result.returncode != 0:
+        result = self.runner.run(["nvpmodel", "-m", str(mode)], timeout_s=NVPMODEL_TIMEOUT_S)
+        if result.returncode != 0 or "NVPM ERROR" in result.output:
             raise PowerError("nvpmodel failed", mode=mode, status=result.returncode,
-                             stderr=(result.stderr or "").strip()[-200:])
+                             output=result.output.strip()[-200:])
 
     def _restore(self) -> int:
         """Put back what the snapshot holds; returns how many settings were restored. A write
@@ -215,7 +199,7 @@ class PowerHelper:
             try:
                 self._run_nvpmodel(snapshot.nvpmodel_mode)
                 restored += 1
-            except (AgentError, OSError, subprocess.SubprocessError) as exc:
+            except (AgentError, OSError) as exc:
                 log.error("could not restore nvpmodel mode %d: %s", snapshot.nvpmodel_mode, exc)
         failed: set[str] = set()
         for path, value in _restore_order(snapshot.files, self.rules):

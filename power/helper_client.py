@@ -1,5 +1,9 @@
 """The daemon's side of the privileged power helper (power/helper.py): a
-:class:`~power.io.Writer` that sends each write over the helper's Unix socket.
+:class:`~power.io.Writer` that sends each write over the helper's Unix socket, and a
+:class:`~power.commands.CommandRunner` that sends ``nvpmodel -m N`` the same way.
+
+Under the service the board is opened as
+``Board.open("/", writer=(w := HelperWriter()), runner=HelperRunner(w))``.
 
 The connection is the lease: the helper keeps what the board had before the first change and
 puts it back when this connection closes, so the writer holds one connection for as long as
@@ -21,10 +25,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from collections.abc import Sequence
+from pathlib import Path as _Path
+
 from agent.errors import PowerError
+from power.commands import CommandResult, CommandRunner, SubprocessRunner
 from power.io import check_relpath, check_value
 
-__all__ = ["DEFAULT_SOCKET", "HelperWriter"]
+__all__ = ["DEFAULT_SOCKET", "HelperRunner", "HelperWriter"]
 
 DEFAULT_SOCKET = Path("/run/edge-agent-power.sock")
 MAX_ANSWER_BYTES = 1 << 20
@@ -127,3 +135,35 @@ class HelperWriter:
         fields = answer.get("fields") or {}
         raise PowerError(f"the power helper refused: {answer.get('error')}",
                          **{str(key): value for key, value in fields.items()})
+
+
+class HelperRunner:
+    """A :class:`~power.commands.CommandRunner` for an unprivileged daemon: ``nvpmodel -m N``
+    goes to the helper (which checks N against the board's profile and runs it as root);
+    nvpmodel's queries (``-q``, ``-p``), which need no privilege, run here through
+    ``fallback``; anything else (``jetson_clocks``, which changes clocks behind the board
+    layer's back) is refused, as a failed command, without running.
+    """
+
+    def __init__(self, writer: HelperWriter, *, fallback: CommandRunner | None = None) -> None:
+        self.writer = writer
+        self.fallback: CommandRunner = fallback or SubprocessRunner()
+
+    def run(self, argv: Sequence[str], *, timeout_s: float = 30.0) -> CommandResult:
+        args = tuple(argv)
+        tool = _Path(args[0]).name if args else ""
+        options = [option for option in args[1:] if option != "--verbose"]
+        if tool == "nvpmodel" and len(options) == 2 and options[0] in ("-m", "--mode"):
+            try:
+                self.writer.nvpmodel(int(options[1]))
+            except ValueError:
+                return CommandResult(argv=args, returncode=1,
+                                     stderr=f"NVPM ERROR: Invalid power mode ID {options[1]}\n")
+            except (PowerError, OSError) as exc:
+                return CommandResult(argv=args, returncode=1, stderr=f"{exc}\n")
+            return CommandResult(argv=args, returncode=0)
+        if tool == "nvpmodel" and options in (["-q"], ["--query"], ["-p"], ["--parse"]):
+            return self.fallback.run(args, timeout_s=timeout_s)
+        return CommandResult(argv=args, returncode=1, stderr=(
+            f"{tool or '(empty)'}: not run by an unprivileged daemon (only nvpmodel -m goes "
+            "through the power helper)\n"))

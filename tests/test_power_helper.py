@@ -20,8 +20,10 @@ import pytest
 
 from agent.errors import PowerError
 from power.helper import PowerHelper, _restore_order
-from power.helper_client import HelperWriter
-from power.io import allowed_writes, read_text
+from power.commands import CommandResult
+from power.helper_client import HelperRunner, HelperWriter
+from power.io import FileWriter, allowed_writes, read_text
+from power.sim.commands import FakeCommands
 from power.profiles import profile
 from power.sim.tree import write_tree
 
@@ -37,31 +39,11 @@ STATUS = "var/lib/nvpmodel/status"
 
 
 @dataclass
-class FakeNvpmodel:
-    """nvpmodel as the helper runs it: ``nvpmodel -m N`` for a mode in the board's
-    configuration, which it records in its status file; anything else fails as the tool does."""
-
-    root: Path
-    modes: frozenset[int]
-    calls: list[list[str]]
-
-    def __call__(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-        argv = list(argv)
-        self.calls.append(argv)
-        if len(argv) != 3 or argv[:2] != ["nvpmodel", "-m"] or not argv[2].isdigit():
-            return subprocess.CompletedProcess(argv, 1, "", "nvpmodel: bad arguments")
-        if int(argv[2]) not in self.modes:
-            return subprocess.CompletedProcess(argv, 1, "", "NVPM ERROR: invalid mode")
-        (self.root / STATUS).write_text(f"pmode:{int(argv[2]):04d} fmode:fan_mode_quiet\n")
-        return subprocess.CompletedProcess(argv, 0, "", "")
-
-
-@dataclass
 class Running:
     helper: PowerHelper
     socket_path: Path
     root: Path
-    nvpmodel: FakeNvpmodel
+    nvpmodel: FakeCommands
     stop: threading.Event
     thread: threading.Thread
 
@@ -74,8 +56,7 @@ def board(tmp_path: Path) -> Path:
 
 
 def start(board: Path, tmp_path: Path, *, uid: int | None = None) -> Running:
-    board_profile = profile("orin-nano")
-    nvpmodel = FakeNvpmodel(board, frozenset(m.mode_id for m in board_profile.modes), [])
+    nvpmodel = FakeCommands(board, FileWriter(board))  # the strict nvpmodel, as root
     helper = PowerHelper(board, allowed_uid=os.getuid() if uid is None else uid,
                          runner=nvpmodel)
     path = tmp_path / "power.sock"
@@ -270,8 +251,35 @@ def test_nvpmodel_modes_of_the_profile_only_and_the_mode_restored(running: Runni
             writer.nvpmodel(9)
         writer.nvpmodel(0)
     wait_for(lambda: read_text(running.root, STATUS).startswith("pmode:0001"))
-    assert running.nvpmodel.calls == [["nvpmodel", "-m", "2"], ["nvpmodel", "-m", "0"],
-                                      ["nvpmodel", "-m", "1"]]
+    assert running.nvpmodel.calls == [("nvpmodel", "-m", "2"), ("nvpmodel", "-m", "0"),
+                                      ("nvpmodel", "-m", "1")]
+
+
+@dataclass
+class RecordingRunner:
+    """The unprivileged side's own runner: records what HelperRunner lets it run."""
+
+    calls: list[tuple[str, ...]]
+
+    def run(self, argv: Sequence[str], *, timeout_s: float = 30.0) -> CommandResult:
+        self.calls.append(tuple(argv))
+        return CommandResult(argv=tuple(argv), returncode=0, stdout="NV Power Mode: 15W\n1\n")
+
+
+def test_the_daemons_runner_sends_mode_changes_to_the_helper_and_runs_only_queries(
+        running: Running) -> None:
+    local = RecordingRunner([])
+    with HelperWriter(running.socket_path) as writer:
+        runner = HelperRunner(writer, fallback=local)
+        assert runner.run(["nvpmodel", "-m", "2"]).returncode == 0
+        assert read_text(running.root, STATUS).startswith("pmode:0002")
+        refused = runner.run(["nvpmodel", "-m", "7"])
+        assert refused.returncode == 1 and "not an nvpmodel mode" in refused.stderr
+        assert runner.run(["nvpmodel", "-q"]).stdout.endswith("1\n")
+        blocked = runner.run(["jetson_clocks"])
+        assert blocked.returncode == 1 and "not run by an unprivileged daemon" in blocked.stderr
+    assert local.calls == [("nvpmodel", "-q")]
+    assert running.nvpmodel.calls == [("nvpmodel", "-m", "2")]
 
 
 def test_an_explicit_restore_puts_the_board_back_and_starts_a_new_snapshot(
