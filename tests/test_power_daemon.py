@@ -440,3 +440,49 @@ def test_a_reload_hands_the_new_policy_to_the_controller(installed: dict[str, An
     assert "power.profile" in seen["result"].applied
     assert seen["status"]["policy"]["latency_target_s"] == 0.2
     assert daemon.config.power.profile == "min"
+
+
+def test_with_the_privileged_helper_every_write_goes_through_it(installed: dict[str, Any],
+                                                                tmp_path: Path) -> None:
+    """``[power] helper_socket``: the real board layer writes through power/helper.py's helper
+    (served here on a socket of the test's), which keeps the board's originals."""
+    import os
+    import socket
+
+    from power.helper import PowerHelper
+
+    tree: FakeTree = installed["tree"]
+    board_files = [f"{tree.gpu_freq_dir}/min_freq", f"{tree.gpu_freq_dir}/max_freq"]
+    original = {path: tree.get(path) for path in board_files}
+    helper = PowerHelper(tree.root, allowed_uid=os.getuid())
+    path = tmp_path / "power.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)
+    stop = threading.Event()
+    thread = threading.Thread(target=helper.serve, args=(listener,), kwargs={"stop": stop},
+                              daemon=True)
+    thread.start()
+    config = installed["config"]
+    daemon = Daemon(dataclasses.replace(config, power=dataclasses.replace(
+        config.power, helper_socket=path)))
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        await until(lambda: daemon.power is not None
+                    and daemon.power.status()["state"] == "sleeping")
+        seen["kept"] = dict(helper.snapshot.files)
+        seen["asleep"] = {p: tree.get(p) for p in board_files}
+
+    try:
+        run_foreground(daemon, session=session)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        listener.close()
+    assert seen["asleep"] != original
+    # The helper saw the writes (it keeps what each file had before its first change).
+    assert {p: seen["kept"][p] for p in board_files if p in seen["kept"]} == {
+        p: original[p] for p in board_files if p in seen["kept"]}
+    assert any(p in seen["kept"] for p in board_files)
+    assert {p: tree.get(p) for p in board_files} == original

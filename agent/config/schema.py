@@ -373,6 +373,9 @@ class PowerConfig(Section):
     root: Path = Path("/")
     # A board profile name (orin-nano, agx-orin-64gb...); empty: identified from the device tree.
     board: str = ""
+    # The privileged power helper's socket (/run/edge-agent-power.sock on a service install,
+    # where the daemon runs unprivileged); empty: the daemon writes the board's files itself.
+    helper_socket: Path | None = None
     profile: str = field(default="governed", metadata=bounds(choices=POWER_PROFILES))
     latency_target_s: float = field(default=0.050, metadata=bounds(minimum=0.0001,
                                                                    maximum=60.0))

@@ -100,7 +100,13 @@ def open_board(config: PowerConfig) -> BoardControl:
     from power.board import Board
     from power.profiles import profile
 
-    return Board.open(config.root, profile=profile(config.board) if config.board else None)
+    writer = None
+    if config.helper_socket is not None:
+        from power.helper_client import HelperWriter
+
+        writer = HelperWriter(config.helper_socket)
+    return Board.open(config.root, writer=writer,
+                      profile=profile(config.board) if config.board else None)
 
 
 def make_controller(board: BoardControl, policy: PowerPolicy, saved: SavedSnapshot,
@@ -235,6 +241,7 @@ class PowerService:
 
     def _thread_main(self, started: concurrent.futures.Future[None]) -> None:
         controller: PowerController | None = None
+        board: BoardControl | None = None
         error: BaseException | None = None
         try:
             board = self.parts.open_board(self.config)
@@ -253,6 +260,13 @@ class PowerService:
             error = exc
         finally:
             error = self._stop_controller(controller) or error
+            # A privileged helper's connection is its lease: closed once the board is back.
+            close = getattr(getattr(board, "writer", None), "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:  # noqa: BLE001 - the stop goes on
+                    log.warning("closing the board's writer failed: %s", first_line(exc))
             if not started.done():
                 started.set_exception(error or InternalError("the power thread ended early"))
             elif error is not None or not self._stopping.is_set():
