@@ -90,3 +90,30 @@ def test_the_cli_through_a_running_daemon(installed: dict[str, Any],  # noqa: F8
     assert "from the daemon" in outputs["trace_err"]
     rows = list(csv.DictReader((config.state_dir / "t.csv").open()))
     assert rows and rows[0]["state"] in ("active", "idle", "sleeping", "waking")
+
+
+def test_status_beside_a_daemon_without_power_reads_the_board(
+        installed: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    import dataclasses
+
+    config = installed["config"]
+    tree = installed["tree"]
+    daemon = Daemon(dataclasses.replace(config, power=dataclasses.replace(config.power,
+                                                                          enabled=False)))
+    outputs: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        def cli() -> None:
+            outputs["rc"] = main(["power", "status", "--state-dir", str(config.state_dir),
+                                  "--root", str(tree.root)])
+            outputs["out"] = capsys.readouterr().out
+            outputs["set_rc"] = main(["power", "set", "max", "--state-dir",
+                                      str(config.state_dir)])
+            outputs["set_err"] = capsys.readouterr().err
+        await asyncio.get_running_loop().run_in_executor(None, cli)
+
+    run_foreground(daemon, session=session)
+    assert outputs["rc"] == 0
+    assert f"source: board files under {tree.root} (the daemon does not govern power)" in \
+        outputs["out"]
+    assert outputs["set_rc"] != 0 and "without power governance" in outputs["set_err"]

@@ -85,16 +85,17 @@ class Source:
         try:
             self.client.call(POWER_STATUS, timeout_s=5.0)
             self.where = f"daemon (control socket {self.client.socket_path})"
-        except CommandError as exc:
-            raise PowerError("the daemon runs without power governance ([power] enabled is "
-                             "false), or refused", reason=exc.message) from None
-        except ControlError:
+        except (CommandError, ControlError) as exc:
+            # No daemon, or one that does not govern power (no power.* commands): the board's
+            # files, read-only.
             self.client = None  # type: ignore[assignment]
             root = board_root(args)
             from power.board import Board
 
             self.board = Board.open(root)
-            self.where = f"board files under {root} (no daemon answered)"
+            why = ("the daemon does not govern power" if isinstance(exc, CommandError)
+                   else "no daemon answered")
+            self.where = f"board files under {root} ({why})"
 
     @property
     def daemon(self) -> bool:

@@ -172,6 +172,7 @@ class PowerService:
         self._batchers = batchers
         self._observers = observers
         self._controller: PowerController | None = None
+        self._serving: list[Any] = []
         self._in_force = config  # the section with the policy in force (set, desired)
         self._policy = policy_from_config(config)
         self._reloads: set[asyncio.Task[None]] = set()
@@ -222,7 +223,10 @@ class PowerService:
                     log.error("the power thread did not end within %.0f s", THREAD_JOIN_S)
 
     def _attach_serving(self) -> None:
-        for batcher in self._batchers():
+        # Taken once, on the loop: the power thread reads their load from this list (a swap
+        # keeps each model's batcher; load() only reads counters).
+        self._serving = list(self._batchers())
+        for batcher in self._serving:
             batcher.set_wake_hook(self._wake_for_request, timeout_s=self.config.wake_timeout_s)
         self._subscribe()
 
@@ -308,7 +312,7 @@ class PowerService:
                 next_telemetry = now + self.config.telemetry_period_s
 
     def _load(self, now: float) -> LoadSample:
-        snapshots = [batcher.load() for batcher in self._batchers()]
+        snapshots = [batcher.load() for batcher in self._serving]
         return LoadSample(time_s=now,
                           queue_depth=sum(s.queue_depth for s in snapshots),
                           busy_instances=sum(s.busy_instances for s in snapshots),
