@@ -56,7 +56,7 @@ from typing import Any
 
 from agent.errors import AgentError, PowerError
 from power.commands import CommandRunner, SubprocessRunner
-from power.io import FileWriter, WriteRule, allowed_writes, read_text
+from power.io import FileWriter, WriteRule, Writer, allowed_writes, read_text
 from power.nvpmodel import STATUS as NVPMODEL_STATUS
 from power.nvpmodel import read_status
 
@@ -99,11 +99,14 @@ class PowerHelper:
         rules: The allowed writes (default: :func:`power.io.allowed_writes` of ``root``).
         modes: The nvpmodel mode ids the board's profile has (default: from its profile, none
             when the board is not a known one).
+        writer: What does the writes once they are checked (default: the files themselves;
+            tests pass power/sim/kernel.py's FakeKernel, the kernel's rules over a fake tree).
     """
 
     def __init__(self, root: Path, *, allowed_uid: int, runner: CommandRunner | None = None,
                  rules: dict[str, WriteRule] | None = None,
-                 modes: Sequence[int] | None = None, board: str | None = None) -> None:
+                 modes: Sequence[int] | None = None, board: str | None = None,
+                 writer: Writer | None = None) -> None:
         self.root = Path(root)
         self.allowed_uid = allowed_uid
         self.runner: CommandRunner = runner or SubprocessRunner()
@@ -112,7 +115,10 @@ class PowerHelper:
         if modes is None:
             modes, self.board = self._profile_modes()
         self.modes = frozenset(modes)
-        self.writer = FileWriter(self.root, rules=self.rules)
+        self.writer: Writer = writer or FileWriter(self.root, rules=self.rules)
+        # Restores write back what the board itself had, which need not pass the rules (a rate
+        # the board was booted with but does not list, say).
+        self._restore_writer: Writer = writer or FileWriter(self.root)
         self.snapshot = Snapshot()
         self._lock = threading.Lock()
 
@@ -204,7 +210,7 @@ class PowerHelper:
         failed: set[str] = set()
         for path, value in _restore_order(snapshot.files, self.rules):
             try:
-                FileWriter(self.root).write(path, value)
+                self._restore_writer.write(path, value)
             except (AgentError, OSError) as exc:
                 failed.add(path)
                 log.error("could not restore %s to %s: %s", path, value, exc)

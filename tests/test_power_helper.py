@@ -348,3 +348,50 @@ def test_the_command_restores_on_sigterm_and_takes_systemds_socket(board: Path,
         helper.kill()
         helper.wait(timeout=10)
     assert "serving power writes for uid" in (tmp_path / "helper.log").read_text()
+
+
+def test_the_board_layer_governs_through_the_helper_and_the_kernel_sees_a_valid_order(
+        tmp_path: Path) -> None:
+    # The daemon's Board over the helper, on a Xavier NX with JetPack 4's kernel (a minimum
+    # above the maximum is EINVAL): points applied through the socket read back as asked, and
+    # the restore when the daemon goes puts the board back through that same strict kernel.
+    from power.board import Board
+    from power.sim.kernel import FakeKernel
+    from power.types import OperatingPoint
+
+    root = tmp_path / "xavier"
+    write_tree(root, profile("xavier-nx"), jetpack=4)
+    kernel = FakeKernel(root, 4)
+    helper = PowerHelper(root, allowed_uid=os.getuid(), writer=kernel,
+                         runner=FakeCommands(root, kernel))
+    path = tmp_path / "power.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(4)
+    stop = threading.Event()
+    thread = threading.Thread(target=helper.serve, args=(listener,), kwargs={"stop": stop},
+                              daemon=True)
+    thread.start()
+    try:
+        writer = HelperWriter(path)
+        board = Board.open(root, writer=writer, runner=HelperRunner(writer))
+        before = board.read_point()
+        table = board.clock_table()
+        top, bottom = table.gpu_hz[-1], table.gpu_hz[0]
+        pinned = board.apply(OperatingPoint(gpu_min_hz=top, gpu_max_hz=top))
+        assert pinned.ok, pinned.mismatches
+        assert (pinned.applied.gpu_min_hz, pinned.applied.gpu_max_hz) == (top, top)
+        low = board.apply(OperatingPoint(gpu_min_hz=bottom, gpu_max_hz=table.gpu_hz[1]))
+        assert low.ok, low.mismatches
+        # Last, the CPUs pinned above the board's own cap: putting the cap back first would
+        # leave the minimum above it, which this kernel refuses.
+        cpu_top = table.cpu_khz[-1]
+        assert before.cpu_max_khz is not None and before.cpu_max_khz < cpu_top
+        cpus = board.apply(OperatingPoint(cpu_min_khz=cpu_top, cpu_max_khz=cpu_top))
+        assert cpus.ok, cpus.mismatches
+        writer.close()  # the daemon goes away
+        wait_for(lambda: helper.snapshot.files == {})
+        assert board.read_point() == before
+    finally:
+        stop.set()
+        thread.join(timeout=10)
