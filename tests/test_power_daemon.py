@@ -486,3 +486,40 @@ def test_with_the_privileged_helper_every_write_goes_through_it(installed: dict[
         p: original[p] for p in board_files if p in seen["kept"]}
     assert any(p in seen["kept"] for p in board_files)
     assert {p: tree.get(p) for p in board_files} == original
+
+
+class FailingController(StrictController):
+    """Fails its fifth step, as a board whose files went away would."""
+
+    def step(self, load: Any, completions: Any) -> None:
+        super().step(load, completions)
+        if self.steps == 5:
+            raise OSError(5, "Input/output error", "min_freq")
+
+
+def test_a_failing_governor_is_a_failed_task_the_board_is_restored_and_serving_goes_on(
+        installed: dict[str, Any]) -> None:
+    tree: FakeTree = installed["tree"]
+    original = gpu_limits(tree)
+    made: list[FailingController] = []
+
+    def make_controller(board: Any, policy: Any, saved: Any, config: Any) -> Any:
+        made.append(FailingController(board, policy, saved))
+        return made[-1]
+
+    parts = PowerParts(open_board=lambda config: TreeBoard(tree), make_controller=make_controller)
+    daemon = Daemon(installed["config"], power_parts=parts)
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        await until(lambda: any(task.name == "power" and task.state is TaskState.FAILED
+                                for task in daemon.supervisor.status()))
+        seen["limits"] = gpu_limits(tree)
+        await asyncio.get_running_loop().run_in_executor(None, infer, port)  # still serves
+        seen["metrics"] = await asyncio.get_running_loop().run_in_executor(None, scrape, port)
+
+    run_foreground(daemon, session=session)
+    assert made[0].stopped and seen["limits"] == original
+    assert 'edge_agent_task_up{task="power"} 0.0' in seen["metrics"]
+    failed = [task for task in daemon.supervisor.status() if task.name == "power"]
+    assert failed[0].error is not None and "Input/output error" in failed[0].error

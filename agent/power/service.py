@@ -263,6 +263,7 @@ class PowerService:
         except BaseException as exc:  # noqa: BLE001 - handed to the task, which raises it
             error = exc
         finally:
+            self._refuse_waiting_calls()
             error = self._stop_controller(controller) or error
             # A privileged helper's connection is its lease: closed once the board is back.
             close = getattr(getattr(board, "writer", None), "close", None)
@@ -275,6 +276,16 @@ class PowerService:
                 started.set_exception(error or InternalError("the power thread ended early"))
             elif error is not None or not self._stopping.is_set():
                 self._fail(error or InternalError("the power thread ended by itself"))
+
+    def _refuse_waiting_calls(self) -> None:
+        """Answer the calls still queued (a command that came as the thread ended)."""
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if call is not None and call[1].set_running_or_notify_cancel():
+                call[1].set_exception(PowerError("the power governor stopped before this ran"))
 
     def _read_telemetry(self, board: BoardControl, controller: PowerController) -> None:
         """The controller's own latest reading where it reads telemetry, else the board's."""
