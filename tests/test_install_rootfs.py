@@ -377,3 +377,40 @@ def test_a_first_model_is_installed_into_the_trees_store_and_made_current(
 
     with pytest.raises(SignatureError):
         rootfs.install_first_model(skeleton(tmp_path / "r2"), bundle, [tmp_path / "other.pub"])
+
+
+def board_with_python(root: Path, version: str, machine: int) -> Path:
+    """A tree whose usr/bin/python3 links to an ELF binary header for ``machine`` (the header
+    is what is read: e_machine at byte 18)."""
+    tree = skeleton(root)
+    (tree / "usr/bin").mkdir(parents=True)
+    header = b"\x7fELF\x02\x01\x01" + b"\0" * 11 + machine.to_bytes(2, "little") + b"\0" * 44
+    (tree / f"usr/bin/python{version}").write_bytes(header)
+    (tree / "usr/bin/python3").symlink_to(f"python{version}")
+    return tree
+
+
+def test_wheels_for_another_board_are_found_before_flashing(tmp_path: Path) -> None:
+    orin = board_with_python(tmp_path / "jp6", "3.10", 0xB7)  # aarch64, JetPack 6's Python
+    assert rootfs.board_python(orin) == ((3, 10), "aarch64")
+    wheels = [
+        f"jetson_edge_agent-{__version__}-py3-none-any.whl",
+        "numpy-2.2.6-cp310-cp310-manylinux_2_17_aarch64.manylinux2014_aarch64.whl",
+        "cryptography-46.0.3-cp38-abi3-manylinux_2_28_aarch64.whl",
+        "numpy-2.2.6-cp311-cp311-manylinux_2_17_aarch64.whl",   # another Python
+        "httptools-0.6.4-cp310-cp310-manylinux_2_17_x86_64.whl",  # another machine
+        "cryptography-46.0.3-cp311-abi3-manylinux_2_28_aarch64.whl",  # abi3 newer than 3.10
+    ]
+    assert rootfs.check_wheels(orin, wheels) == wheels[3:]
+    assert rootfs.check_wheels(skeleton(tmp_path / "bare"), wheels) == []  # nothing to check
+
+
+def test_the_command_line_refuses_a_wheelhouse_for_another_board(tmp_path: Path) -> None:
+    orin = board_with_python(tmp_path / "jp6", "3.10", 0xB7)
+    house = wheelhouse(tmp_path / "wh", "numpy-2.2.6-cp311-cp311-manylinux_2_17_x86_64.whl")
+    result = subprocess.run([sys.executable, str(REPO / "tools/install_rootfs.py"), "--rootfs",
+                             str(orin), "--wheelhouse", str(house)], capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 1
+    assert "numpy-2.2.6-cp311-cp311-manylinux_2_17_x86_64.whl" in result.stderr
+    assert not (orin / "etc/edge-agent").exists()  # nothing installed

@@ -63,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
                 extras=[extra for extra in args.extras.split(",") if extra],
                 device_files=args.device_files, bundle_keys=args.bundle_key,
                 device_id=args.device_id)
+            unfit = rootfs.check_wheels(args.rootfs, [
+                str(entry.path.name) for entry in entries if entry.path.suffix == ".whl"])
+            if unfit:
+                print("install_rootfs.py: wheels the board's Python cannot install (another "
+                      "machine or Python version): " + ", ".join(unfit), file=sys.stderr)
+                return 1
             report = rootfs.install(args.rootfs, entries)
             if args.bundle is not None:
                 keys = list(args.bundle_key)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import logging
 import os
 import shutil
@@ -30,7 +31,8 @@ from agent.errors import ConfigError
 from agent.fsutil import atomic_write_bytes
 from agent.tooling.packaging.layout import PREFIX, Entry
 
-__all__ = ["MANIFEST", "Report", "install", "install_first_model", "uninstall"]
+__all__ = ["MANIFEST", "Report", "board_python", "check_wheels", "install",
+           "install_first_model", "uninstall"]
 
 log = logging.getLogger(__name__)
 
@@ -281,3 +283,66 @@ def install_first_model(rootfs: Path, bundle: Path, trusted_keys: Sequence[Path]
             store.activate(installed.name, installed.version)
     os.chmod(state_dir, 0o750)
     return f"{installed.name} v{installed.version}"
+
+
+ELF_MACHINES = {0xB7: "aarch64", 0x3E: "x86_64"}
+
+
+def board_python(rootfs: Path) -> tuple[tuple[int, int], str] | None:
+    """The tree's ``python3``: its version (from the ``python3 -> python3.X`` link) and its
+    machine (from the binary's ELF header); None when the tree has no such link."""
+    link = _inside(Path(rootfs), PurePosixPath("usr/bin/python3"))
+    if not link.is_symlink():
+        return None
+    found = re.fullmatch(r"python(\d+)\.(\d+)", os.path.basename(os.readlink(link)))
+    binary = _inside(Path(rootfs), PurePosixPath("usr/bin") / os.path.basename(os.readlink(link)))
+    if found is None or not binary.is_file():
+        return None
+    with open(binary, "rb") as handle:
+        header = handle.read(20)
+    if header[:4] != b"\x7fELF":
+        return None
+    machine = ELF_MACHINES.get(int.from_bytes(header[18:20], "little"), f"elf-{header[18]}")
+    return (int(found.group(1)), int(found.group(2))), machine
+
+
+def check_wheels(rootfs: Path, wheel_names: Sequence[str]) -> list[str]:
+    """The wheels that the tree's Python cannot install (wrong machine or Python version), so
+    that a mismatch is found before flashing rather than by a board that is offline at its
+    first boot. Empty when all fit, or when the tree's Python is not found (then nothing can
+    be said)."""
+    found = board_python(rootfs)
+    if found is None:
+        log.warning("no usr/bin/python3 in the tree: the wheels' platform is not checked")
+        return []
+    (major, minor), machine = found
+    unfit = []
+    for name in wheel_names:
+        parts = name[:-4].split("-")
+        if len(parts) < 5:
+            unfit.append(name)
+            continue
+        python_tag, abi_tag, platform_tag = parts[-3], parts[-2], parts[-1]
+        if platform_tag != "any" and machine not in platform_tag:
+            unfit.append(name)
+            continue
+        versions = []
+        for tag in python_tag.split("."):
+            number = re.fullmatch(r"(?:cp|py)(\d)(\d*)", tag)
+            if number:
+                versions.append((int(number.group(1)), int(number.group(2) or -1), tag))
+        if not versions:
+            continue
+        fits = False
+        for tag_major, tag_minor, tag in versions:
+            if tag_major != major:
+                continue
+            if tag.startswith("py") or tag_minor == -1:
+                fits = True
+            elif abi_tag == "abi3":
+                fits = fits or tag_minor <= minor
+            else:
+                fits = fits or tag_minor == minor
+        if not fits:
+            unfit.append(name)
+    return unfit
