@@ -346,6 +346,13 @@ class Controller:
         if idle:
             self._set_state(PowerState.IDLE, now_s)
             self._idle_since_s = now_s
+        if not self._parked and governor.model.ready:
+            # Size the next wake's boost for the load just seen, not for wherever the governor
+            # happened to be when it ended.
+            sized = governor.point_for_rate(now_s, governor.peak_rate_hz, self._cap)
+            if sized is not None:
+                self._active_key = sized
+            governor.peak_rate_hz = 0.0
         key = governor.bottom
         result = None
         if not self._parked or self._key != key:

@@ -38,8 +38,8 @@ from power.types import ClockTable, Completion, LoadSample, OperatingPoint, Powe
 CPU_LEVELS = 6  # CPU entries the governor chooses among (the table's ends and evenly between)
 TAIL_QUANTILE = 0.995  # of observed/predicted compute, for the margin
 MIN_MARGIN = 1.15
-UP_HEADROOM = 0.85  # going up: aim this far under the target, so one step is enough
-DOWN_BAND = 0.80  # going down: the new point must meet this share of the target
+UP_HEADROOM = 0.90  # going up: aim this far under the target, so one step is enough
+DOWN_BAND = 0.85  # going down: the new point must meet this share of the target
 DOWN_COST_GAIN = 0.97  # ... and cost at most this share of the point in force
 DOWN_HOLD_S = 1.5  # no move down sooner than this after any change
 DOWN_AFTER_UP_S = 3.0  # ... nor this soon after a move up
@@ -229,6 +229,7 @@ class Governor:
         self._last_up_s = -math.inf
         self._last_miss_s = -math.inf
         self._rate_at_up_hz = math.inf  # the arrival rate the last move up was made for
+        self.peak_rate_hz = 0.0  # the highest planning rate since the controller last reset it
         self._fresh_miss_s = 0.0  # the worst miss at the point in force, while fresh
         self._fresh_miss_at_s = -math.inf
         self._last_down_check_s = -math.inf
@@ -249,6 +250,7 @@ class Governor:
         """Learn from one step's completions; ``key_of`` names the clocks a completion's whole
         batch ran at (``None``: they changed during it)."""
         self._rate.update(load.time_s, load.arrivals_total)
+        self.peak_rate_hz = max(self.peak_rate_hz, self._rate.planning_hz)
         target = self.policy.latency_target_s
         model = self.model
         for completion in completions:
@@ -371,13 +373,14 @@ class Governor:
         return PointKey(gpu_hz=gpu, cpu_khz=cpu, emc_hz=self.top.emc_hz)
 
     def best(self, now_s: float, share_of_target: float, cap: ThermalCap | None = None,
-             queue_depth: int = 0, anchored: bool = False, down: bool = False
-             ) -> tuple[PointKey, float] | None:
+             queue_depth: int = 0, anchored: bool = False, down: bool = False,
+             rate_hz: float | None = None) -> tuple[PointKey, float] | None:
         """The cheapest allowed candidate whose P99 estimate is within ``share_of_target`` of
         the target (and which drains ``queue_depth`` requests inside it), with that estimate;
         ``None`` when none is (or nothing is learned yet). ``anchored``: no estimate below the
         P99 observed at the point in force, scaled by the predicted compute and queueing.
-        ``down``: a move down (a margin on the rate, and a busy share it must stay under)."""
+        ``down``: a move down (a margin on the rate, and a busy share it must stay under).
+        ``rate_hz``: plan for this arrival rate instead of the one measured now."""
         predicted = self._refresh(now_s)
         if predicted is None:
             return None
@@ -387,7 +390,7 @@ class Governor:
             single_now = self.model.predict_s(self.current)
             if held is not None and single_now:
                 anchor = held / single_now / self._shape(self._busy(single_now, self._rate.planning_hz))
-        rate = self._rate.planning_hz
+        rate = self._rate.planning_hz if rate_hz is None else rate_hz
         busy_limit = MAX_UTILISATION
         below = self.current if down else None
         if down:
@@ -431,6 +434,13 @@ class Governor:
             best_cost = cost
             best = (candidate.key, p99)
         return best
+
+    def point_for_rate(self, now_s: float, rate_hz: float, cap: ThermalCap | None = None
+                       ) -> PointKey | None:
+        """The cheapest point meeting the target (with the headroom of a move up) at
+        ``rate_hz``: what a wake boosts to when the next burst is like the last."""
+        found = self.best(now_s, UP_HEADROOM, cap, rate_hz=rate_hz)
+        return None if found is None else found[0]
 
     def cost(self, key: PointKey) -> float:
         draw = self._draw.get(key) or estimate_draw(key, self.table)
