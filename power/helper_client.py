@@ -2,8 +2,9 @@
 :class:`~power.io.Writer` that sends each write over the helper's Unix socket, and a
 :class:`~power.commands.CommandRunner` that sends ``nvpmodel -m N`` the same way.
 
-Under the service the board is opened as
-``Board.open("/", writer=(w := HelperWriter()), runner=HelperRunner(w))``.
+Under the service the board is opened as ``Board.open(root, **board_access(root))``: through
+the helper when the daemon is not root and the helper's socket is there, else (a root daemon,
+a development machine, a fake tree) with the board layer's own writer and runner.
 
 The connection is the lease: the helper keeps what the board had before the first change and
 puts it back when this connection closes, so the writer holds one connection for as long as
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 import threading
 from pathlib import Path
@@ -32,7 +34,7 @@ from agent.errors import PowerError
 from power.commands import CommandResult, CommandRunner, SubprocessRunner
 from power.io import check_relpath, check_value
 
-__all__ = ["DEFAULT_SOCKET", "HelperRunner", "HelperWriter"]
+__all__ = ["DEFAULT_SOCKET", "HelperRunner", "HelperWriter", "board_access"]
 
 DEFAULT_SOCKET = Path("/run/edge-agent-power.sock")
 MAX_ANSWER_BYTES = 1 << 20
@@ -167,3 +169,15 @@ class HelperRunner:
         return CommandResult(argv=args, returncode=1, stderr=(
             f"{tool or '(empty)'}: not run by an unprivileged daemon (only nvpmodel -m goes "
             "through the power helper)\n"))
+
+
+def board_access(root: Path | str = "/", *, socket_path: Path = DEFAULT_SOCKET,
+                 euid: int | None = None) -> dict[str, Any]:
+    """The ``writer`` and ``runner`` keyword arguments for :meth:`power.board.Board.open`: the
+    helper's when this process is not root, the board is the real one (``root`` is ``/``) and
+    the helper's socket exists; none (the board layer's defaults) otherwise."""
+    uid = os.geteuid() if euid is None else euid
+    if uid == 0 or Path(root) != Path("/") or not Path(socket_path).is_socket():
+        return {}
+    writer = HelperWriter(socket_path)
+    return {"writer": writer, "runner": HelperRunner(writer)}

@@ -395,3 +395,16 @@ def test_the_board_layer_governs_through_the_helper_and_the_kernel_sees_a_valid_
     finally:
         stop.set()
         thread.join(timeout=10)
+
+
+def test_board_access_uses_the_helper_only_for_an_unprivileged_daemon_on_the_real_board(
+        running: Running) -> None:
+    from power.helper_client import board_access
+
+    access = board_access("/", socket_path=running.socket_path, euid=998)
+    assert isinstance(access["writer"], HelperWriter)
+    assert isinstance(access["runner"], HelperRunner)
+    assert access["runner"].writer is access["writer"]
+    assert board_access("/", socket_path=running.socket_path, euid=0) == {}
+    assert board_access(running.root, socket_path=running.socket_path, euid=998) == {}
+    assert board_access("/", socket_path=running.root / "absent.sock", euid=998) == {}
