@@ -3,7 +3,7 @@
 What can change without a restart is applied at once: the log level, the batching settings that do
 not size anything (the queue delay, adaptive delay, queue limit, default timeout and priority,
 preferred batch sizes within the batch size in force), the trusted bundle keys, and the power
-policy when the daemon governs power. Everything else that differs from the configuration in force
+policy's keys when the daemon governs power (not where the board is, nor the periods). Everything else that differs from the configuration in force
 (the listen address, the backend, instances, the state directory, the fleet connection...) is
 named as needing a restart and left as it is: the daemon keeps running on a consistent
 configuration, the one it started with plus what was applied.
@@ -75,7 +75,11 @@ def _reloadable(key: str, power_reloads: bool) -> bool:
         return True
     if section == "serving":
         return name in BATCHING_KEYS
-    return section == "power" and power_reloads
+    if section == "power" and power_reloads:
+        from agent.power.policy import POLICY_KEYS
+
+        return name in POLICY_KEYS  # the board's root, the periods, enabled: at the start only
+    return False
 
 
 def reload(daemon: Daemon, new: AgentConfig) -> ReloadResult:
@@ -102,8 +106,11 @@ def reload(daemon: Daemon, new: AgentConfig) -> ReloadResult:
         config = dataclasses.replace(config, serving=serving)
         _batching(daemon, serving)
     if power_reloads and any(key.startswith("power.") for key in applied):
-        power.reload(getattr(new, "power"))  # type: ignore[union-attr]
-        config = dataclasses.replace(config, power=getattr(new, "power"))  # type: ignore[call-arg]
+        from agent.power.policy import POLICY_KEYS
+
+        power.reload(new.power)  # type: ignore[union-attr]
+        config = dataclasses.replace(config, power=dataclasses.replace(config.power, **{
+            name: getattr(new.power, name) for name in POLICY_KEYS}))
     daemon.config = config
     result = ReloadResult(tuple(applied), tuple(waiting))
     log.info("configuration reloaded: %s", result.summary())

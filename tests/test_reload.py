@@ -75,3 +75,28 @@ def test_keys_rewritten_in_the_same_files_count_as_a_change(tmp_path: Path) -> N
     after = load_config(None, env={}, overrides=overrides)
     assert load_public_key(Path(str(key_path) + ".pub")) is not None
     assert changed_keys(before, after) == ["trust.public_keys"]
+
+
+def test_only_the_power_policy_reloads_and_the_board_s_place_waits_for_a_restart(
+        tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    base = {"state_dir": tmp_path / "state", "power.enabled": True}
+    old = load_config(None, env={}, overrides=base)
+    new = load_config(None, env={}, overrides={
+        **base, "power.latency_target_s": 0.02, "power.root": str(tmp_path / "board"),
+        "power.control_period_s": 0.1})
+    taken: list[object] = []
+    daemon = SimpleNamespace(config=old, services={},
+                             power=SimpleNamespace(reload=taken.append))
+    result = reload(daemon, new)  # type: ignore[arg-type]
+    assert result.applied == ("power.latency_target_s",)
+    assert result.needs_restart == ("power.control_period_s", "power.root")
+    assert taken == [new.power]
+    assert daemon.config.power.latency_target_s == 0.02
+    assert daemon.config.power.root == old.power.root
+    assert daemon.config.power.control_period_s == old.power.control_period_s
+    # Without power governed, every power key waits for a restart.
+    daemon = SimpleNamespace(config=old, services={}, power=None)
+    assert reload(daemon, new).needs_restart == (  # type: ignore[arg-type]
+        "power.control_period_s", "power.latency_target_s", "power.root")
