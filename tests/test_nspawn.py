@@ -509,6 +509,25 @@ def test_reload_applies_a_changed_setting(booted: Container) -> None:
         booted.exec("systemctl", "reload", "edge-agent.service", timeout=60)
 
 
+def serving_model(container: Container, work: Path) -> None:
+    """Give the installed package a model to serve: a bundle key trusted in agent.toml and a
+    first model in the store, owned by the daemon's user."""
+    from agent.tooling.packaging import rootfs
+    from agent.tooling.packaging.layout import configured_toml
+    from models.signing import load_private_key, public_key_path, write_keypair
+    from tests.tiny_models import make_bundle
+
+    write_keypair(work / "bundle")
+    bundle, _ = make_bundle(work, key=load_private_key(work / "bundle"))
+    shutil.copyfile(public_key_path(work / "bundle"),
+                    container.root / "etc/edge-agent/keys/bundle.pub")
+    config = container.root / "etc/edge-agent/agent.toml"
+    config.write_text(configured_toml(config.read_text(), {
+        "trust.public_keys": ["/etc/edge-agent/keys/bundle.pub"]}))
+    rootfs.install_first_model(container.root, bundle, [public_key_path(work / "bundle")])
+    container.exec("chown", "-R", "edge-agent:edge-agent", "/var/lib/edge-agent")
+
+
 def test_the_deb_installs_upgrades_and_purges(tmp_path: Path) -> None:
     from agent.tooling.packaging.deb import build_deb
 
@@ -531,8 +550,32 @@ def test_the_deb_installs_upgrades_and_purges(tmp_path: Path) -> None:
                               ).stdout.split() == ["640", "root", "edge-agent"]
         assert container.exec("systemctl", "is-active", "edge-agent-power.socket"
                               ).stdout.strip() == "active"
+        # A model, as an operator gives a board in the field one: the bundle key trusted in
+        # agent.toml (a changed conffile, which dpkg then keeps), the store given to the user.
+        serving_model(container, tmp_path)
+        container.exec("systemctl", "restart", "edge-agent.service", timeout=READY_TIMEOUT_S)
+        container.wait_active()
+        before = container.show("edge-agent.service", "MainPID")["MainPID"]
+        # An upgrade under load (the same package again: dpkg runs the upgrade path, postinst
+        # configure with the old version): the daemon drains, switches and starts again.
+        client = subprocess.Popen(["nsenter", "-t", str(container.leader), "-a",
+                                   "/opt/edge-agent/venv/bin/python", "-c", LOAD_CLIENT, "12"],
+                                  stdout=subprocess.PIPE, text=True, env=CONTAINER_ENV)
+        try:
+            assert client.stdout is not None and client.stdout.readline().strip() == "started"
+            time.sleep(2)
+            container.exec("dpkg", "-i", f"/root/{deb.name}", timeout=READY_TIMEOUT_S)
+            counts = json.loads(client.stdout.readline())
+            client.wait(timeout=60)
+        finally:
+            client.kill()
+        print(f"upgrade under load: {counts}")
+        assert counts["ok"] > 0 and counts["dropped"] == 0 and counts["other"] == 0, counts
+        container.wait_active()
+        assert container.show("edge-agent.service", "MainPID")["MainPID"] != before
+        assert "trust" in container.exec("cat", "/etc/edge-agent/agent.toml").stdout
         container.exec("systemctl", "disable", "edge-agent.service")
-        container.exec("dpkg", "-i", f"/root/{deb.name}", timeout=READY_TIMEOUT_S)  # upgrade
+        container.exec("dpkg", "-i", f"/root/{deb.name}", timeout=READY_TIMEOUT_S)  # again
         assert container.exec("systemctl", "is-enabled", "edge-agent.service",
                               check=False).stdout.strip() == "disabled"
         container.exec("dpkg", "--purge", "edge-agent", timeout=120)
