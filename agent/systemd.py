@@ -296,6 +296,9 @@ def attach_systemd(daemon: Daemon, notifier: Notifier | None = None) -> SystemdS
     if not notifier.enabled:
         return None
     service = SystemdService(daemon, notifier)
+    power = getattr(daemon, "power", None)
+    if power is not None and callable(getattr(power, "liveness", None)):
+        service.health.add_probe("power", power.liveness)
     daemon.add_task("watchdog", service.run_watchdog, critical=True)
     daemon.add_state_listener(service.on_state)
     if notifier.watchdog_s:

@@ -318,3 +318,31 @@ def test_serve_tells_systemd_ready_status_watchdog_reload_and_stopping(tmp_path:
         listener.close()
     assert process.returncode == 0, output
     assert "systemd watchdog: 0.6 s" in output
+
+
+def test_a_power_thread_that_stops_stepping_makes_the_daemon_unhealthy(tmp_path: Path) -> None:
+    from agent.config import PowerConfig
+    from agent.power.service import PowerService
+    from agent.systemd import attach_systemd
+
+    power = PowerService(PowerConfig(enabled=True), tmp_path, batchers=lambda: [])
+    assert power.liveness() is None  # not started yet
+    power._running = True
+    power.last_step_at = time.monotonic()
+    assert power.liveness() is None
+    power.last_step_at = time.monotonic() - 60
+    assert "has not stepped for 60 s" in (power.liveness() or "")
+
+    added: list[str] = []
+    daemon = _Daemon()
+    daemon.power = power  # type: ignore[attr-defined]
+    daemon.add_task = lambda name, run, critical=False: added.append(name)  # type: ignore
+    daemon.add_state_listener = lambda listener: None  # type: ignore[attr-defined]
+    listener = Listener(str(tmp_path / "notify"))
+    try:
+        service = attach_systemd(daemon, Notifier(str(tmp_path / "notify")))  # type: ignore
+        assert service is not None and added == ["watchdog"]
+        assert any(problem.startswith("power: the power thread has not stepped")
+                   for problem in service.health.problems())
+    finally:
+        listener.close()

@@ -94,19 +94,31 @@ class PowerController(Protocol):
     def stop(self) -> Any: ...
 
 
+STEP_SILENCE_S = 10.0
+"""The power thread not stepping for this long (or 100 control periods) makes the daemon
+unhealthy for the systemd watchdog (a wedged sysfs read, a deadlock)."""
+
+
 def open_board(config: PowerConfig) -> BoardControl:
     """The board under ``[power] root`` (``power/board.py``), of the profile ``[power] board``
     names, or identified from its device tree."""
     from power.board import Board
     from power.profiles import profile
 
-    writer = None
+    from power.helper_client import board_access
+
+    access: dict[str, Any]
     if config.helper_socket is not None:
-        from power.helper_client import HelperWriter
+        from power.helper_client import HelperRunner, HelperWriter
 
         writer = HelperWriter(config.helper_socket)
-    return Board.open(config.root, writer=writer,
-                      profile=profile(config.board) if config.board else None)
+        access = {"writer": writer, "runner": HelperRunner(writer)}
+    else:
+        # Not root on the real board, with the privileged helper's socket there (the service's
+        # units): limits and nvpmodel go through it. Otherwise the board layer's own writer.
+        access = board_access(config.root)
+    return Board.open(config.root, profile=profile(config.board) if config.board else None,
+                      **access)
 
 
 def make_controller(board: BoardControl, policy: PowerPolicy, saved: SavedSnapshot,
@@ -192,6 +204,7 @@ class PowerService:
         self._restored_at_start = False
         self._needs_wake = False
         self._unsubscribe: list[Callable[[], None]] = []
+        self.last_step_at: float | None = None  # monotonic; set by the power thread
 
     # -- the task -------------------------------------------------------------------------------
 
@@ -331,7 +344,19 @@ class PowerService:
                           arrivals_total=sum(s.arrivals_total for s in snapshots),
                           completed_total=sum(s.completed_total for s in snapshots))
 
+    def liveness(self) -> str | None:
+        """For the systemd watchdog's health check: None while the power thread steps (or has
+        not started), else why not."""
+        if not self._running or self.last_step_at is None:
+            return None
+        quiet_s = time.monotonic() - self.last_step_at
+        limit_s = max(STEP_SILENCE_S, 100 * self.config.control_period_s)
+        if quiet_s > limit_s:
+            return f"the power thread has not stepped for {quiet_s:.0f} s"
+        return None
+
     def _after_step(self, controller: PowerController) -> None:
+        self.last_step_at = time.monotonic()
         status = controller.status()
         before = self._status
         if isinstance(status.get("changes"), int):
