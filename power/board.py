@@ -265,6 +265,16 @@ class Board:
     def _check_point(self, point: OperatingPoint) -> None:
         """Refuse values this board's tables do not hold, before any write."""
         table = self._table
+        for name, value in point.__dict__.items():
+            # A float frequency would be written as "612000000.0" (EINVAL), a bool is an int to
+            # Python but never a frequency; gpu_railgate alone is a flag.
+            if value is None:
+                continue
+            flag = name == "gpu_railgate"
+            if (not isinstance(value, bool)) if flag else (
+                    isinstance(value, bool) or not isinstance(value, int)):
+                raise PowerError(f"{name} must be {'a bool' if flag else 'an int'}",
+                                 value=repr(value)[:40], found=type(value).__name__)
         for name, value, entries, unit in (
                 ("gpu_min_hz", point.gpu_min_hz, table.gpu_hz, "Hz"),
                 ("gpu_max_hz", point.gpu_max_hz, table.gpu_hz, "Hz"),
@@ -343,6 +353,12 @@ class Board:
             raise PowerError("the snapshot is of another board", board=self.name,
                              found=snapshot.get("board"))
         files: dict[str, str] = snapshot["files"]
+        mode = snapshot.get("nvpmodel_mode")
+        bad = sorted(str(path) for path, value in files.items() if not isinstance(value, str))
+        if bad or (mode is not None and type(mode) is not int):
+            raise PowerError("the snapshot holds values that are not a file's text or a mode "
+                             "number (damaged?)", files=", ".join(bad[:5]) or None,
+                             nvpmodel_mode=None if type(mode) is int else repr(mode)[:40])
         known = {*self._gpu_files(), *self._cpu_files(), *self._emc_files(),
                  *([self.railgate.path] if self.railgate else [])}
         unknown = sorted(set(files) - known)
@@ -350,8 +366,7 @@ class Board:
             raise PowerError("the snapshot names files this board does not write",
                              files=", ".join(unknown[:5]))
         step = _Step(self)
-        mode = snapshot.get("nvpmodel_mode")
-        if isinstance(mode, int) and self.nvpmodel is not None and \
+        if mode is not None and self.nvpmodel is not None and \
                 read_status(self.root) != mode:
             step.nvpmodel(mode)
 
@@ -403,6 +418,13 @@ class _Step:
         except PowerError as exc:  # the writer refused (a privileged helper's rules): for good
             self._degrade(control, f"writer refused {path}: {exc}")
             return
+        except ValueError as exc:
+            # A file that read back as no number (empty mid-update, "<unsupported>"): this value
+            # may not be in force, the control may still work next time.
+            log.warning("power control %s: %s did not read as a number: %s", control, path, exc)
+            self.mismatches.extend(recheck() or [Mismatch(path=path, wanted="a write",
+                                                          found=None)])
+            return
         except OSError as exc:
             if exc.errno == errno.EBUSY and control == "cpu":
                 # A cpufreq policy whose CPUs are all offline (AGX Orin's 15W and 30W modes)
@@ -448,8 +470,15 @@ class _Step:
             wanted[:] = [low, high]
             return limits.set(board.root, board.writer, low, high)
 
-        self._run(control, limits.max_path, action,
-                  lambda: limits.check(board.root, *wanted) if wanted else [])
+        def recheck() -> list[Mismatch]:
+            if wanted:
+                return limits.check(board.root, *wanted)
+            # The limits could not be read before writing: what was asked for, as found now.
+            return [mismatch for mismatch in limits.check(board.root, new_min or 0, new_max or 0)
+                    if (mismatch.path == limits.min_path and new_min is not None)
+                    or (mismatch.path == limits.max_path and new_max is not None)]
+
+        self._run(control, limits.max_path, action, recheck)
 
     def gpu(self, new_min: int | None, new_max: int | None) -> None:
         if self.board.gpu is not None:
@@ -476,9 +505,8 @@ class _Step:
         if rate_hz is None:
             self._run("emc", emc.lock_path, lambda: emc.unlock(writer), lambda: [])
         else:
-            self._run("emc", emc.rate_path, lambda: emc.lock(writer, rate_hz), lambda: [
-                Mismatch(path=emc.rate_path, wanted=rate_hz, found=found)
-                for found in [emc.rate_hz()] if found != rate_hz])
+            self._run("emc", emc.rate_path, lambda: emc.lock(writer, rate_hz),
+                      lambda: emc.check(rate_hz))
 
     def railgate(self, allow: bool) -> None:
         railgate = self.board.railgate

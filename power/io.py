@@ -58,9 +58,10 @@ def check_relpath(relpath: str) -> str:
 
 
 def check_value(value: str) -> str:
-    if not value or len(value) > 32 or not value.isprintable() or value != value.strip():
-        raise PowerError("a board file's value must be a short word or number without spaces "
-                         "around it or a newline", value=value)
+    if not value or len(value) > 32 or not value.isascii() or not value.isprintable() or \
+            value != value.strip():
+        raise PowerError("a board file's value must be a short ASCII word or number without "
+                         "spaces around it or a newline", value=value)
     return value
 
 
@@ -113,8 +114,12 @@ def read_text(root: Path, relpath: str) -> str:
 
 
 def read_int(root: Path, relpath: str) -> int:
-    """A board file holding one integer. Raises OSError, or ValueError for other content."""
-    return int(read_text(root, relpath).split()[0])
+    """A board file holding one integer (its first word). Raises OSError, or ValueError for
+    other content, an empty file included (a read can come back empty while a driver updates)."""
+    words = read_text(root, relpath).split()
+    if not words or not words[0].isascii():
+        raise ValueError(f"{relpath}: not an integer: {' '.join(words)[:40]!r}")
+    return int(words[0])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +137,7 @@ class WriteRule:
         """``None`` when ``value`` is allowed, else why not."""
         if self.words:
             return None if value in self.words else f"expected one of {sorted(self.words)}"
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):  # "²".isdigit() is true, int("²") fails
             return "expected a decimal integer"
         number = int(value)
         if self.low is not None and number < self.low or self.high is not None and number > \

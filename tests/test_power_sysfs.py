@@ -153,7 +153,8 @@ def test_trip_points_come_from_the_zone_files(tmp_path: Path) -> None:
                                                          ("critical", 97.0)))
     board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
     zone = next(zone for zone in board.telemetry().thermal if zone.name == "cpu")
-    assert zone.trips_c == (("active", 60.0), ("hot", 85.0), ("critical", 97.0))
+    # The active trip (a fan level) is not a limit: only hot and critical are kept.
+    assert zone.trips_c == (("hot", 85.0), ("critical", 97.0))
 
 
 def test_release_5_zone_names_are_normalised(tmp_path: Path) -> None:

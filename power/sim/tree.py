@@ -195,6 +195,12 @@ def write_tree(root: Path, board: BoardProfile, jetpack: int = 6, *, mode_id: in
     cpu_dir = "sys/devices/system/cpu"
     online = mode.cpus_online or board.cpus
     cpu_max = mode.cpu_max_khz or board.cpu_khz[-1]
+    # nvpmodel's floor never above the mode's cap (an inverted pair no kernel shows); 5.10+
+    # show it resolved to a table entry (the lowest at or above it: Xavier's 1200000 floor
+    # reads 1267200 there), 4.9 as written.
+    cpu_min = min(board.cpu_floor_khz, cpu_max)
+    if layout.jetpack >= 5:
+        cpu_min = min([khz for khz in board.cpu_khz if khz >= cpu_min] + [cpu_max])
     _put(root, f"{cpu_dir}/online", f"0-{online - 1}")
     for name in ("present", "possible"):
         _put(root, f"{cpu_dir}/{name}", f"0-{board.cpus - 1}")
@@ -207,7 +213,7 @@ def write_tree(root: Path, board: BoardProfile, jetpack: int = 6, *, mode_id: in
                 ("scaling_available_governors",
                  "conservative ondemand userspace powersave performance schedutil"),
                 ("scaling_driver", "tegra194"),
-                ("scaling_min_freq", board.cpu_floor_khz),
+                ("scaling_min_freq", cpu_min),
                 ("scaling_max_freq", cpu_max),
                 ("scaling_cur_freq", cpu_max),
                 ("cpuinfo_cur_freq", cpu_max),

@@ -43,6 +43,19 @@ class Emc:
         return writes, [] if found == rate_hz else [Mismatch(path=self.rate_path,
                                                              wanted=rate_hz, found=found)]
 
+    def check(self, rate_hz: int) -> list[Mismatch]:
+        """What differs from the EMC locked at ``rate_hz``, read now (after a refused write)."""
+        try:
+            locked: bool | None = self.locked()
+        except (OSError, ValueError):
+            locked = None
+        mismatches = [] if locked else [Mismatch(path=self.lock_path, wanted=1,
+                                                 found=None if locked is None else 0)]
+        found = self.rate_hz()
+        if found != rate_hz:
+            mismatches.append(Mismatch(path=self.rate_path, wanted=rate_hz, found=found))
+        return mismatches
+
     def unlock(self, writer: Writer) -> tuple[int, list[Mismatch]]:
         if not self.locked():
             return 0, []

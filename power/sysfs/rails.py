@@ -3,7 +3,9 @@
 The channels and their labels are read once; channels labelled ``NC`` (not connected) and the
 shunt-sum channel 7 are skipped, as jetson-stats does. The total is the rail that measures the
 module's input (``VDD_IN``, or ``POM_5V_IN`` on older boards) where there is one, else the sum of
-the rails (AGX Orin: that sum misses the carrier board's losses).
+the rails (AGX Orin: that sum misses the carrier board's losses). A total that cannot be read is
+``None``: the input rail unreadable is not replaced by the sum of the rails it feeds, and a sum
+missing one of its rails is not a total.
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ class PowerRails:
                 continue
         return rails
 
-    @staticmethod
-    def total_mw(rails: dict[str, int]) -> int | None:
+    def total_mw(self, rails: dict[str, int]) -> int | None:
+        """The board's input power from one :meth:`read_mw` answer; ``None`` when unreadable."""
+        labels = [label for label, _, _ in self.channels]
         for label in TOTAL_RAILS:
-            if label in rails:
-                return rails[label]
-        return sum(rails.values()) if rails else None
+            if label in labels:
+                return rails.get(label)
+        if not labels or any(label not in rails for label in labels):
+            return None
+        return sum(rails[label] for label in labels)

@@ -1,6 +1,11 @@
 """Thermal zones: each zone's name and trip points (read once), and its temperature (m°C in the
 files, °C here). A zone whose temperature cannot be read (the cv zones of an Orin Nano fail with
-EAGAIN) reads as ``None``, never as a number that looks real (-256 °C is what jtop shows)."""
+EAGAIN) reads as ``None``, never as a number that looks real (-256 °C is what jtop shows).
+
+Only the trips where the board throttles or shuts down (``passive``, ``hot``, ``critical``) are
+kept: ``active`` trips switch fan levels (Xavier's ``thermal-fan-est`` has them from about 50 °C)
+and would make the thermal guard cap clocks on a cool board. A trip whose temperature cannot be
+read, or reads as a sentinel, is left out without hiding the trips after it."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ def zone_name(zone_type: str) -> str:
     return zone_type
 
 
+LIMIT_TRIPS = frozenset({"passive", "hot", "critical"})
 OFFLINE_BELOW_C = -40.0  # below any Jetson's operating range: a sentinel such as -256000 m°C
 
 
@@ -38,11 +44,17 @@ class ThermalZones:
         while True:
             try:
                 trip_type = read_text(self.root, f"{zone}/trip_point_{index}_type")
-                trip_mc = read_int(self.root, f"{zone}/trip_point_{index}_temp")
-            except (OSError, ValueError):
-                break
-            trips.append((trip_type, trip_mc / 1000.0))
+            except OSError:
+                break  # no more trips
             index += 1
+            if trip_type not in LIMIT_TRIPS:
+                continue
+            try:
+                trip_c = read_int(self.root, f"{zone}/trip_point_{index - 1}_temp") / 1000.0
+            except (OSError, ValueError):
+                continue
+            if trip_c > OFFLINE_BELOW_C:
+                trips.append((trip_type, trip_c))
         return tuple(trips)
 
     def read(self) -> tuple[ThermalZone, ...]:
