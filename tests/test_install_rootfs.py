@@ -414,3 +414,12 @@ def test_the_command_line_refuses_a_wheelhouse_for_another_board(tmp_path: Path)
     assert result.returncode == 1
     assert "numpy-2.2.6-cp311-cp311-manylinux_2_17_x86_64.whl" in result.stderr
     assert not (orin / "etc/edge-agent").exists()  # nothing installed
+
+
+def test_a_manifest_not_written_by_the_installer_is_refused(tmp_path: Path) -> None:
+    tree = skeleton(tmp_path / "rootfs")
+    (tree / "usr/share/edge-agent").mkdir(parents=True)
+    (tree / rootfs.MANIFEST).write_text('{"entries": "all of /etc"}')
+    with pytest.raises(ConfigError, match="not one this installer wrote"):
+        rootfs.uninstall(tree)
+    assert (tree / "etc/hostname").exists()

@@ -70,18 +70,32 @@ def _inside(rootfs: Path, relative: PurePosixPath) -> Path:
     return path
 
 
-def _read_manifest(rootfs: Path) -> dict[str, object]:
+@dataclass
+class _Manifest:
+    """What an earlier install recorded: its entries by path, and the directories it made."""
+
+    entries: dict[str, dict[str, object]] = field(default_factory=dict)
+    created_dirs: set[str] = field(default_factory=set)
+
+
+def _read_manifest(rootfs: Path) -> _Manifest:
     path = _inside(rootfs, MANIFEST)
     if not path.exists():
-        return {"entries": [], "created_dirs": []}
+        return _Manifest()
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError("the install manifest cannot be read", path=path,
                           reason=str(exc)) from None
-    if not isinstance(manifest, dict):
-        raise ConfigError("the install manifest is not an object", path=path)
-    return manifest
+    entries = manifest.get("entries") if isinstance(manifest, dict) else None
+    created = manifest.get("created_dirs") if isinstance(manifest, dict) else None
+    if (not isinstance(entries, list) or not isinstance(created, list)
+            or not all(isinstance(item, dict) and isinstance(item.get("path"), str)
+                       for item in entries)
+            or not all(isinstance(directory, str) for directory in created)):
+        raise ConfigError("the install manifest is not one this installer wrote", path=path)
+    return _Manifest(entries={item["path"]: item for item in entries},
+                     created_dirs=set(created))
 
 
 def _own(path: Path) -> None:
@@ -103,8 +117,8 @@ def install(rootfs: Path, entries: Sequence[Entry]) -> Report:
         log.warning("not running as root: the files keep this user's owner; a root file "
                     "system for flashing must be root-owned (run the installer with sudo)")
     previous = _read_manifest(rootfs)
-    previous_entries = {str(item["path"]): item for item in previous["entries"]}  # type: ignore[attr-defined]
-    created = set(previous["created_dirs"])  # type: ignore[call-overload]
+    previous_entries = previous.entries
+    created = set(previous.created_dirs)
     report = Report()
     manifest_dir = _inside(rootfs, MANIFEST.parent)
     if not manifest_dir.is_dir():
@@ -236,7 +250,7 @@ def uninstall(rootfs: Path, *, purge: bool = False) -> Report:
             else:
                 shutil.rmtree(generated)
             report.removed.append(str(generated.relative_to(rootfs)))
-    for item in manifest["entries"]:  # type: ignore[attr-defined]
+    for item in manifest.entries.values():
         _remove_entry(rootfs, item, report, force=purge)
     if purge:
         for directory in DATA_DIRS:
@@ -246,11 +260,11 @@ def uninstall(rootfs: Path, *, purge: bool = False) -> Report:
                 report.removed.append(str(directory))
     _inside(rootfs, MANIFEST).unlink()
     report.removed.append(str(MANIFEST))
-    for directory in sorted(manifest["created_dirs"], key=lambda d: -len(PurePosixPath(d).parts)):  # type: ignore[call-overload]
-        path = _inside(rootfs, PurePosixPath(directory))
+    for made in sorted(manifest.created_dirs, key=lambda d: -len(PurePosixPath(d).parts)):
+        path = _inside(rootfs, PurePosixPath(made))
         if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
             path.rmdir()
-            report.removed.append(directory)
+            report.removed.append(made)
     return report
 
 
