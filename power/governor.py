@@ -54,6 +54,9 @@ DOWN_RATE_FALL = 0.9  # moving down needs the load to have fallen this far since
 DOWN_EXPLORE_S = 10.0  # ... or that move to be this old on a load no higher (the model may
 # know better by then)
 DOWN_MAX_BUSY = 0.45  # no move down to a point busier than this share of the time
+HELD_TRUST = 1.1  # the observed P99 at the point in force, times this, caps its estimate
+CHOSEN_TRUST = 1.1  # the estimate a point was chosen with, times this, until it is observed
+RATE_RISE = 1.2  # ... unless the load rose past this share of what the point was chosen for
 HELD_LEAST = 20  # requests at the point in force before its observed P99 counts
 RATE_FAST_S = 0.5  # arrival-rate windows
 RATE_SLOW_S = 2.0
@@ -134,7 +137,7 @@ class _RateMeter:
         self.slow_hz = slow_count / slow_span
         self.fast_hz = fast_count / fast_span
         expected = self.slow_hz * fast_span
-        significant = fast_count > expected + 2.0 * math.sqrt(max(expected, 1.0)) + 1
+        significant = fast_count > expected + 3.0 * math.sqrt(max(expected, 1.0)) + 1
         self.planning_hz = self.fast_hz if significant else self.slow_hz
 
 
@@ -230,6 +233,8 @@ class Governor:
         self._last_miss_s = -math.inf
         self._rate_at_up_hz = math.inf  # the arrival rate the last move up was made for
         self.peak_rate_hz = 0.0  # the highest planning rate since the controller last reset it
+        self._rate_at_change_hz = 0.0  # the planning rate when the point in force was taken
+        self._chosen_p99_s: float | None = None  # the estimate it was taken with
         self._fresh_miss_s = 0.0  # the worst miss at the point in force, while fresh
         self._fresh_miss_at_s = -math.inf
         self._last_down_check_s = -math.inf
@@ -423,7 +428,11 @@ class Governor:
                 continue
             p99 = single * self._multiplier(busy, margin)
             if anchor:
-                p99 = max(p99, single * anchor * self._shape(busy))
+                # What was observed where the governor is, carried to the candidate by the
+                # compute and queueing ratios, overrides the buckets (which keep the transients
+                # of every burst's start); never under the compute margin.
+                p99 = single * max(anchor * self._shape(busy),
+                                   margin * self.model.batch_factor(round(batch)))
             if p99 > limit or single * drain_factor > limit:
                 continue
             cost = candidate.idle_mw + min(1.0, busy) * candidate.busy_extra_mw
@@ -470,6 +479,7 @@ class Governor:
         top = self._capped_top(cap)
         if not self.model.ready:
             return self._go(Choice(key=top, reason="learning", predicted_s=None), now)
+        self._refresh(now)  # the multipliers every estimate below uses, current or not
         # Emergencies first: a queue the point in force cannot drain inside the target (to the
         # cheapest point that can), or a fresh miss (clustered: the next is likely to miss too).
         if current is not None and load.queue_depth > 0 and current != top:
@@ -482,6 +492,16 @@ class Governor:
                                            emergency=True), now)
         current_p99 = None if current is None else self.predict_p99_s(current)
         observed = self.observed_at_current_s(now)
+        held = self.held_p99_s()
+        if current_p99 is not None and not self._rate_rising():
+            if held is not None:
+                # Enough requests at this point under this load: what they saw, with a margin,
+                # over what the buckets predict.
+                current_p99 = min(current_p99, held * HELD_TRUST)
+            elif self._chosen_p99_s is not None:
+                # Too few yet: the estimate it was chosen with stands (else a move down made on
+                # the observed anchor is undone at once on the buckets' word).
+                current_p99 = min(current_p99, self._chosen_p99_s * CHOSEN_TRUST)
         if current_p99 is not None and observed is not None:
             current_p99 = max(current_p99, observed)
         missed = observed is not None and observed > target
@@ -533,6 +553,8 @@ class Governor:
         self.current = choice.key
         self._held.clear()
         self._fresh_miss_s = 0.0
+        self._rate_at_change_hz = self._rate.planning_hz
+        self._chosen_p99_s = choice.predicted_s
         return choice
 
     def placed(self, key: PointKey, now_s: float) -> None:
@@ -543,7 +565,13 @@ class Governor:
             self._last_change_s = now_s
             self._held.clear()
             self._fresh_miss_s = 0.0
+            self._rate_at_change_hz = self._rate.planning_hz
+            self._chosen_p99_s = None
         self.current = key
+
+    def _rate_rising(self) -> bool:
+        """The load is well above what the point in force was chosen for."""
+        return self._rate.planning_hz > RATE_RISE * self._rate_at_change_hz
 
     def held_p99_s(self) -> float | None:
         """The P99 latency observed at the point in force (``None``: too few requests yet)."""
