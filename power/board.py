@@ -30,7 +30,7 @@ from typing import Any
 from agent.errors import PowerError
 from power.commands import CommandRunner, SubprocessRunner
 from power.io import FileWriter, Writer, read_text
-from power.nvpmodel import Nvpmodel, read_status
+from power.nvpmodel import Nvpmodel, NvpmodelUnavailable, read_status
 from power.profiles import BoardProfile, identify
 from power.sysfs.cpufreq import CpuPolicy
 from power.sysfs.devfreq import GpuDevfreq
@@ -450,6 +450,8 @@ class _Step:
         try:
             nvpmodel.set_mode(mode_id)
             self.writes += 1
+        except NvpmodelUnavailable as exc:
+            self._degrade("nvpmodel", str(exc))
         except PowerError as exc:
             self.mismatches.append(Mismatch(path="var/lib/nvpmodel/status", wanted=mode_id,
                                             found=nvpmodel.current()))

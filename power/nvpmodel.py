@@ -9,7 +9,9 @@ The configuration grammar (``/etc/nvpmodel.conf``, a link to
 
 nvpmodel is known to misreport (a switch that needs a reboot fails silently and ``-q`` keeps the
 old mode, ``docs/reference/power_anchors.md`` section 4): :meth:`Nvpmodel.set_mode` checks the
-state file and the query after the switch, and the board reads every clock back.
+state file after the switch (it runs no ``-q``: the file is what ``-q`` reports), and the board
+reads every clock back. A tool that is not installed or is refused for want of root raises
+:class:`NvpmodelUnavailable`: that will not go away by itself, so the board stops asking.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class NvpmodelConf:
                          modes=", ".join(f"{m.mode_id}={m.name}" for m in self.modes))
 
 
+class NvpmodelUnavailable(PowerError):
+    """nvpmodel cannot change the mode here at all (not installed, or not run as root)."""
+
+
 def parse_conf(text: str, source: str = "") -> NvpmodelConf:
     """Parse an nvpmodel configuration. Raises PowerError naming the line that is malformed."""
     params: dict[str, Param] = {}
@@ -88,7 +94,8 @@ def parse_conf(text: str, source: str = "") -> NvpmodelConf:
             modes.append(ConfMode(mode_id=int(attrs["ID"]), name=attrs["NAME"],
                                   settings=tuple(settings)))
 
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # A byte-order mark from an editor would make the first header "a line before any section".
+    for number, raw in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -206,7 +213,10 @@ class Nvpmodel:
         self.conf.mode(mode_id)  # an unknown mode is refused before running anything
         result = self.runner.run([self.command, "-m", str(mode_id)], timeout_s=60.0)
         if result.returncode == NOT_FOUND:
-            raise PowerError("nvpmodel is not installed", command=self.command)
+            raise NvpmodelUnavailable("nvpmodel is not installed", command=self.command)
+        if result.returncode != 0 and "permission denied" in result.output.lower():
+            raise NvpmodelUnavailable("nvpmodel needs root to change the mode", mode=mode_id,
+                                      output=result.output.strip()[:300])
         if result.returncode != 0 or "NVPM ERROR" in result.output:
             raise PowerError("nvpmodel could not set the mode", mode=mode_id,
                              code=result.returncode, output=result.output.strip()[:300])
@@ -216,5 +226,5 @@ class Nvpmodel:
                              "switches need a reboot)", mode=mode_id, found=found)
 
 
-__all__ = ["ConfMode", "Nvpmodel", "NvpmodelConf", "Param", "parse_conf", "parse_query",
-           "read_status"]
+__all__ = ["ConfMode", "Nvpmodel", "NvpmodelConf", "NvpmodelUnavailable", "Param", "parse_conf",
+           "parse_query", "read_status"]

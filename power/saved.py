@@ -1,11 +1,14 @@
 """The board's settings saved at start, so that they are put back after a crash.
 
-At start the controller calls :func:`begin`: if a snapshot is still on disk, the previous run did
-not stop cleanly (a kill, a power cut, an OOM kill) and the board still carries its governed
-limits, so that snapshot is restored first; then the board's settings as they are now are saved.
-On a clean stop :func:`end` restores them and removes the file. The file is written atomically
-(written, fsynced, renamed, its folder fsynced: ``agent/fsutil.py``), so a crash while saving
-leaves the old copy or the new one, never half of one.
+If a snapshot is still on disk at start, the previous run did not stop cleanly (a kill, a power
+cut, an OOM kill) and the board may still carry its governed limits, so that snapshot is restored
+first; otherwise the board's settings as they are now are saved. On a clean stop they are
+restored and the file removed. The controller (``power/controller.py``) does this in its
+``start``/``stop`` through :class:`SavedSnapshot`'s ``load``, ``save`` and ``clear``;
+:func:`begin` and :func:`end` are the same sequence for a caller driving a board without it
+(stricter: :func:`begin` raises when the crash restore is not complete). The file is written
+atomically (written, fsynced, renamed, its folder fsynced: ``agent/fsutil.py``), so a crash while
+saving leaves the old copy or the new one, never half of one.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from agent.errors import PowerError
 from power.board import Board
 from power.commands import CommandResult, SubprocessRunner
 from power.jetson_clocks import JetsonClocks
-from power.nvpmodel import Nvpmodel, parse_conf, parse_query, read_status
+from power.nvpmodel import Nvpmodel, NvpmodelUnavailable, parse_conf, parse_query, read_status
 from power.sim.commands import FakeCommands
 from power.sim.kernel import FakeKernel
 from power.sim.tree import render_nvpmodel_conf
@@ -158,7 +158,7 @@ def test_a_mode_that_needs_a_reboot_is_caught_although_nvpmodel_says_yes(tmp_pat
 def test_set_mode_failures(tmp_path: Path) -> None:
     tree = fake_board(tmp_path, "orin-nano", 6)
     user = FakeCommands(tree.root, FakeKernel(tree.root, 6), as_root=False)
-    with pytest.raises(PowerError, match="could not set the mode") as caught:
+    with pytest.raises(NvpmodelUnavailable, match="needs root") as caught:
         Nvpmodel(tree.root, user).set_mode(2)
     assert "Permission denied" in str(caught.value)
     root = FakeCommands(tree.root, FakeKernel(tree.root, 6))
@@ -170,7 +170,7 @@ def test_set_mode_failures(tmp_path: Path) -> None:
         def run(self, argv: object, *, timeout_s: float = 30.0) -> CommandResult:
             return CommandResult(argv=("nvpmodel",), returncode=127)
 
-    with pytest.raises(PowerError, match="not installed"):
+    with pytest.raises(NvpmodelUnavailable, match="not installed"):
         Nvpmodel(tree.root, Missing()).set_mode(2)
 
 
