@@ -189,6 +189,10 @@ def test_the_first_boot_unit_runs_the_offline_environment_build() -> None:
     assert setup.value("Service", "Type") == "oneshot"
     assert setup.value("Service", "ExecStart") == "/usr/lib/edge-agent/build-venv"
     assert "edge-agent.service" in setup.words("Unit", "Before")
+    # Offline by construction, and able to write its environment and nothing else.
+    assert setup.value("Service", "PrivateNetwork") == "yes"
+    assert setup.value("Service", "ProtectSystem") == "strict"
+    assert setup.words("Service", "ReadWritePaths") == ["/opt/edge-agent"]
     script = (UNITS / "edge-agent-build-venv").read_text()
     assert "--no-index" in script and "--find-links" in script
     assert (UNITS / "edge-agent-build-venv").stat().st_mode & 0o111
