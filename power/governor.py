@@ -177,24 +177,32 @@ class _RatioBuckets:
     def __init__(self, buckets: int, width: float, keep: int = 300) -> None:
         self.width = width
         self._ratios: list[deque[float]] = [deque(maxlen=keep) for _ in range(buckets)]
+        self._own: list[float | None] = [None] * buckets  # each bucket's quantile, cached
+        self._dirty = [False] * buckets
         self.quantiles: list[float | None] = [None] * buckets
 
     def index(self, busy: float) -> int:
         return min(len(self._ratios) - 1, max(0, int(busy / self.width)))
 
     def add(self, busy: float, ratio: float) -> None:
-        self._ratios[self.index(busy)].append(ratio)
+        index = self.index(busy)
+        self._ratios[index].append(ratio)
+        self._dirty[index] = True
 
     def refresh(self, quantile: float, least: int = 30) -> None:
+        for index, ratios in enumerate(self._ratios):
+            if self._dirty[index] and len(ratios) >= least:
+                ordered = sorted(ratios)
+                self._own[index] = ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+            self._dirty[index] = False
         learned: list[float | None] = []
         floor = 0.0
-        for ratios in self._ratios:
-            if len(ratios) < least:
+        for own in self._own:
+            if own is None:
                 learned.append(None)
                 continue
-            ordered = sorted(ratios)
             # Never below a less busy bucket's: more load cannot mean less waiting.
-            floor = max(floor, ordered[min(len(ordered) - 1, int(quantile * len(ordered)))])
+            floor = max(floor, own)
             learned.append(floor)
         self.quantiles = learned
 
@@ -220,6 +228,9 @@ class Governor:
         self.bottom = PointKey(gpu_hz=table.gpu_hz[0], cpu_khz=table.cpu_khz[0],
                                emc_hz=emc_points[0])
         self._draw = {candidate.key: candidate for candidate in self.candidates}
+        self._emc_points = emc_points
+        self._features = [(c.key.emc_hz, table.gpu_hz[-1] / c.key.gpu_hz,
+                           table.cpu_khz[-1] / c.key.cpu_khz) for c in self.candidates]
         self._rate = _RateMeter()
         self._ration = _ChangeRation(policy.max_changes_per_s)
         self._batch_avg = 1.0
@@ -301,9 +312,18 @@ class Governor:
             return None
         if self._predicted is None or (model.version != self._predicted_version
                                        and now_s - self._predicted_at_s >= PREDICTION_REFRESH_S):
-            predict = model.predict_s
-            self._predicted = [predict(candidate.key) or math.inf
-                               for candidate in self.candidates]
+            # One set of coefficients per EMC point, then a multiply-add per candidate: this
+            # runs every PREDICTION_REFRESH_S inside a step that has 1 ms.
+            per_emc = {emc: model.coefficients(emc) for emc in self._emc_points}
+            predicted = []
+            for (emc, gpu_share, cpu_share) in self._features:
+                coefficients = per_emc[emc]
+                if coefficients is None:
+                    predicted.append(math.inf)
+                    continue
+                a, k, b = coefficients
+                predicted.append(max(a * gpu_share + k * cpu_share + b, 1e-6))
+            self._predicted = predicted
             self._predicted_version = model.version
             self._predicted_at_s = now_s
             self._ratios.refresh(TOTAL_QUANTILE)

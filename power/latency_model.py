@@ -110,19 +110,29 @@ class LatencyModel:
         single = self._predict_single(key)
         return None if single is None else single * self.batch_factor(batch_size)
 
-    def _predict_single(self, key: PointKey) -> float | None:
-        features = self._features(key)
-        table = self._tables.get(key.emc_hz)
+    def coefficients(self, emc_hz: int) -> tuple[float, float, float] | None:
+        """The single-request time's ``(a, k, b)`` at ``emc_hz``: ``a * g0/f_gpu + k * c0/f_cpu
+        + b`` (``None`` before the first observation)."""
+        table = self._tables.get(emc_hz)
         if table is not None:
-            return max(table.predict(features), 1e-6)
+            a, k, b = table.theta
+            return a, k, b
         if not self._tables:
             return None
         # Never observed at this EMC point: the nearest observed table, pessimistic when slower.
-        nearest = min(self._tables, key=lambda emc: abs(emc - key.emc_hz))
-        theta = list(self._tables[nearest].theta)
-        if 0 < key.emc_hz < nearest:
-            theta[2] *= nearest / key.emc_hz
-        return max(sum(t * x for t, x in zip(theta, features)), 1e-6)
+        nearest = min(self._tables, key=lambda emc: abs(emc - emc_hz))
+        a, k, b = self._tables[nearest].theta
+        if 0 < emc_hz < nearest:
+            b *= nearest / emc_hz
+        return a, k, b
+
+    def _predict_single(self, key: PointKey) -> float | None:
+        coefficients = self.coefficients(key.emc_hz)
+        if coefficients is None:
+            return None
+        a, k, b = coefficients
+        return max(a * self._gpu_ref_hz / key.gpu_hz + k * self._cpu_ref_khz / key.cpu_khz + b,
+                   1e-6)
 
     def observe(self, key: PointKey, compute_s: float, batch_size: int = 1) -> None:
         """One batch of ``batch_size`` took ``compute_s`` at ``key`` (the clocks in force for
