@@ -8,6 +8,7 @@ from pathlib import Path
 
 from power.board import Board
 from power.commands import CommandResult
+from power.jetson_clocks import JetsonClocks
 from power.nvpmodel import parse_conf
 from power.sim.commands import FakeCommands
 from power.sim.kernel import FakeKernel
@@ -96,3 +97,19 @@ def test_a_limit_changed_by_another_writer_before_the_read_back_is_a_mismatch(
     assert (max_path, 1020000000, 408000000) in found
     assert result.applied.gpu_max_hz == 408000000
     assert board.usable("gpu")
+
+
+def test_jetson_clocks_pins_the_online_clusters_of_a_mode_with_cpus_offline(
+        tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "agx-orin-64gb", 6, mode_id=1)  # MODE_15W: cpu4-11 offline
+    kernel = FakeKernel(tree.root, 6)
+    clocks = JetsonClocks(FakeCommands(tree.root, kernel))
+    stored = tmp_path / "clocks.conf"
+    clocks.store(stored)
+    assert "policy4" not in stored.read_text()
+    clocks.pin()
+    policy0 = tree.policies[0]
+    assert tree.get(f"{policy0}/scaling_min_freq") == tree.get(f"{policy0}/scaling_max_freq")
+    assert tree.get(f"{tree.gpu_freq_dir}/min_freq") == tree.get(f"{tree.gpu_freq_dir}/max_freq")
+    clocks.restore(stored)
+    assert tree.get(f"{policy0}/scaling_min_freq") == "729600"

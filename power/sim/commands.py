@@ -151,6 +151,15 @@ class FakeCommands:
 
     # -- jetson_clocks ----------------------------------------------------------------------
 
+    def _offline(self, file: str) -> bool:
+        """Whether ``file`` is a limit of a cpufreq policy whose CPUs are all offline."""
+        if "/cpufreq/policy" not in file:
+            return False
+        policy = file.rsplit("/", 1)[0]
+        cpus = read_text(self.root, f"{policy}/related_cpus").split()
+        return all(read_text(self.root, f"sys/devices/system/cpu/cpu{cpu}/online") == "0"
+                   for cpu in cpus)
+
     def _limit_files(self) -> list[str]:
         paths = discover(self.root)
         files = [f"{policy.path}/{name}" for policy in paths.cpu
@@ -193,7 +202,13 @@ class FakeCommands:
                                    floor=paths.gpu.table_hz[0]))
         for pair in pairs:
             _, high = pair.read(self.root)
-            pair.set(self.root, self.writer, high, high)
+            try:
+                pair.set(self.root, self.writer, high, high)
+            except OSError as exc:
+                # The real script sets the CPUs that are online: a cluster a mode took offline
+                # (AGX Orin 15W/30W) answers EBUSY and is left alone.
+                if exc.errno != errno.EBUSY:
+                    raise
         if paths.emc is not None:
             self.writer.write(f"{EMC}/mrq_rate_locked", "1")
             self.writer.write(f"{EMC}/rate", str(read_int(self.root, f"{EMC}/max_rate")))
@@ -201,7 +216,8 @@ class FakeCommands:
             self.writer.write(f"{paths.fan_pwm}/pwm1", "255")
 
     def _store(self, path: Path) -> None:
-        lines = [f"/{file} {read_text(self.root, file)}" for file in self._limit_files()]
+        lines = [f"/{file} {read_text(self.root, file)}" for file in self._limit_files()
+                 if not self._offline(file)]
         paths = discover(self.root)
         if paths.emc is not None:
             lines += [f"/{EMC}/mrq_rate_locked {read_text(self.root, f'{EMC}/mrq_rate_locked')}",
@@ -215,7 +231,11 @@ class FakeCommands:
             file, value = line.split()
             if file.endswith("mrq_rate_locked"):
                 continue  # the real tool leaves the EMC locked [FX]
-            self.writer.write(_rel(file), value)
+            try:
+                self.writer.write(_rel(file), value)
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:  # a cluster taken offline since the store
+                    raise
 
     def _show(self) -> str:
         paths = discover(self.root)
