@@ -127,6 +127,7 @@ class Controller:
         self.wake_ms: deque[float] = deque(maxlen=64)  # the first request's extra latency
         self._woke_at_s: float | None = None
         self._woke_key: PointKey | None = None
+        self._after_first_key: PointKey | None = None
         self._engine_released = False
         self._active_key: PointKey | None = None  # the governor's last choice while active
         self._stock = False
@@ -268,6 +269,11 @@ class Controller:
             return self._decide(now, changed=False, reason="sleeping")
         if self.state is PowerState.WAKING:
             self._set_state(PowerState.ACTIVE, now)
+        if self._after_first_key is not None and self._woke_at_s is None:
+            key, self._after_first_key = self._after_first_key, None
+            result = self._apply(key, now, reason="first request answered: the sized point")
+            governor.placed(key, now)
+            return self._decide(now, changed=True, reason="after the wake", applied=result)
         choice = governor.choose(load, self._cap)
         self._active_key = choice.key
         if choice.key != self._key:
@@ -307,7 +313,12 @@ class Controller:
         if planner is not None and self._idle_since_s is not None:
             planner.forecast.record(now_s - self._idle_since_s + self.policy.idle_after_s)
         idle_s = 0.0 if self._idle_since_s is None else now_s - self._idle_since_s
-        key = self._boost_key(cold=self.state is PowerState.WAKING or idle_s >= COLD_AFTER_S)
+        cold = self.state is PowerState.WAKING or idle_s >= COLD_AFTER_S
+        key = self._boost_key(cold=cold)
+        warm = self._boost_key()
+        # After a cold boost, the point sized for the last busy period takes over once the
+        # first request is answered (the top point is for that request's latency only).
+        self._after_first_key = warm if cold and warm != key else None
         self._apply(key, now_s, reason=f"wake ({reason})", nvpmodel_mode=mode)
         self._idle_since_s = None
         self._parked = False

@@ -123,7 +123,11 @@ def test_the_wake_latency_of_the_first_request_is_measured_and_exported() -> Non
     quiet(controller, clock, 3.0, arrivals=30)
     assert controller.state is PowerState.SLEEPING
     start = clock.now_s
-    serve(controller, board, clock, [start + 0.01], until_s=start + 0.2)
+    result = serve(controller, board, clock, [start + 0.01], until_s=start + 0.2)
+    assert result.points[0][1].gpu_max_hz == 1020000000  # the first request: the top point
+    # Once it is answered, the point sized for the last busy period (20 req/s) takes over.
+    after = [d for d in result.decisions if d.reason == "after the wake"]
+    assert after and (after[0].point.gpu_max_hz or 0) < 1020000000
     status = controller.status()
     assert status["state"] == "active"
     assert status["wake_ms"] is not None and 0.0 <= status["wake_ms"] < 50.0
