@@ -42,6 +42,7 @@ class GpuPaths:
 class CpuPolicyPaths:
     path: str  # sys/devices/system/cpu/cpufreq/policyN
     table_khz: tuple[int, ...]
+    table_borrowed: bool = False  # unreadable (an inactive policy): another cluster's table
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +125,13 @@ def find_cpu(root: Path) -> tuple[CpuPolicyPaths, ...]:
             table = _ints(root, f"{path}/cpuinfo_min_freq") + _ints(root,
                                                                      f"{path}/cpuinfo_max_freq")
         policies.append(CpuPolicyPaths(path=path, table_khz=tuple(sorted(set(table)))))
-    return tuple(policies)
+    # A policy whose CPUs are all offline (AGX Orin's MODE_15W/30W) answers EBUSY to reads too,
+    # so its table is unknown until a mode brings a CPU back. Jetson clusters share one ladder
+    # (Orin's A78AE, Xavier's Carmel): it takes the first readable cluster's, so its limits are
+    # checked against a table, and a helper's rules cover it, once nvpmodel onlines it.
+    known = next((policy.table_khz for policy in policies if policy.table_khz), ())
+    return tuple(CpuPolicyPaths(path=policy.path, table_khz=known, table_borrowed=True)
+                 if not policy.table_khz and known else policy for policy in policies)
 
 
 def find_emc(root: Path) -> EmcPaths | None:
