@@ -190,3 +190,13 @@ def test_restore_after_the_extremes_gives_back_the_same_snapshot(tmp_path: Path,
         assert result.ok and not result.unsupported, (mode, result)
         assert board.snapshot() == snapshot, mode
         assert board.read_point() == point, mode
+
+
+@pytest.mark.parametrize("temp_mc", [-40000, -45500])
+def test_a_cold_start_of_an_industrial_module_is_a_reading(tmp_path: Path, temp_mc: int) -> None:
+    tree = fake_board(tmp_path, "agx-orin-64gb", 6)
+    tree.set(f"{tree.zones['cpu-thermal']}/temp", temp_mc)
+    tree.set(f"{tree.zones['gpu-thermal']}/temp", -256000)
+    board, _ = open_board(tree)
+    zones = {zone.name: zone.temp_c for zone in board.telemetry().thermal}
+    assert zones["cpu"] == temp_mc / 1000 and zones["gpu"] is None

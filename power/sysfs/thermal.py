@@ -24,7 +24,9 @@ def zone_name(zone_type: str) -> str:
 
 
 LIMIT_TRIPS = frozenset({"passive", "hot", "critical"})
-OFFLINE_BELOW_C = -40.0  # below any Jetson's operating range: a sentinel such as -256000 m°C
+# A sentinel such as -256000 m°C, far below any reading: industrial modules (AGX Orin Industrial)
+# are rated down to -40 °C ambient, so a cold start can read -40 °C and a little below.
+OFFLINE_BELOW_C = -100.0
 
 
 class ThermalZones:
