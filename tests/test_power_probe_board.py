@@ -200,3 +200,17 @@ def test_a_cold_start_of_an_industrial_module_is_a_reading(tmp_path: Path, temp_
     board, _ = open_board(tree)
     zones = {zone.name: zone.temp_c for zone in board.telemetry().thermal}
     assert zones["cpu"] == temp_mc / 1000 and zones["gpu"] is None
+
+
+def test_a_minimum_the_kernel_lifts_back_with_the_cap_is_written_again(tmp_path: Path) -> None:
+    # 5.10+ keep the minimum asked for and show it clamped under a lower cap; raising the cap
+    # lifts it back. Someone else lowered the cap under our minimum: raising it again must not
+    # leave our old minimum in force.
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board, kernel = open_board(tree)
+    assert board.apply(OperatingPoint(gpu_min_hz=918000000, gpu_max_hz=918000000)).ok
+    kernel.write(f"{tree.gpu_freq_dir}/max_freq", "612000000")  # an operator, by hand
+    assert tree.get(f"{tree.gpu_freq_dir}/min_freq") == "612000000"
+    result = board.apply(OperatingPoint(gpu_min_hz=612000000, gpu_max_hz=1020000000))
+    assert result.ok, result.mismatches
+    assert (result.applied.gpu_min_hz, result.applied.gpu_max_hz) == (612000000, 1020000000)

@@ -5,7 +5,8 @@ Kernel 4.9 (JetPack 4) refuses a minimum above the maximum, and a maximum below 
 sequence here never asks either for an inverted pair: when the new maximum is below the current
 minimum, the minimum is first floored (written to the table's lowest entry), then the maximum is
 set, then the minimum. A limit already at its value is not written again (writes stay idempotent
-and cheap), and both are read back: what did not stick is a :class:`~power.types.Mismatch`.
+and cheap; the minimum is looked at again after a new maximum, which a 5.10+ kernel may have
+lifted it with), and both are read back: what did not stick is a :class:`~power.types.Mismatch`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class LimitPair:
         if new_max != cur_max:
             writer.write(self.max_path, str(new_max))
             writes += 1
+            # 5.10+ keep each request: a minimum shown clamped under the old cap (someone else
+            # lowered it) comes back with a higher one, so look again before skipping the write.
+            cur_min = read_int(root, self.min_path)
         if new_min != cur_min:
             writer.write(self.min_path, str(new_min))
             writes += 1
