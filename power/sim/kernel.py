@@ -19,7 +19,10 @@ Rules by JetPack release (``docs/reference/power_anchors.md`` section 3):
   a ``possible_rates`` entry [I]; ``railgate_enable`` takes 0/1 and ``power/control`` auto/on,
   anything else is ``EINVAL``; a file the kernel does not let anyone write (``cur_freq``, a
   temperature) fails with ``EACCES``, a missing one with ``ENOENT``; a cpufreq policy whose CPUs
-  are all offline answers ``EBUSY``.
+  are all offline answers ``EBUSY`` to writes. (The real kernel answers ``EBUSY`` to reads of
+  such a policy's attributes as well; reads do not go through a writer, so the tree still shows
+  them: tests that need the failing reads patch them at ``power.io``'s ``os`` seam,
+  ``tests/test_power_probe_offline.py``.)
 
 ``read_only``: paths that fail with ``EACCES`` as a root-only file does for a user (the tests run
 as root, where a chmod would not stop a write). Every accepted write is appended to :attr:`log`.
