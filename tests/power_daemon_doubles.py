@@ -112,9 +112,10 @@ class TreeBoard:
 
 class StrictController:
     """The power states of design section 6 over a board: idle after ``idle_after_s`` without
-    an arrival, sleeping (the lowest clocks) after ``sleep_after_s`` more, waking (the highest)
-    on :meth:`wake`, active on the next step. Every call must come from the thread that
-    started it; every transition must be in ``TRANSITIONS``."""
+    an arrival, a queued or a computing request, sleeping (the lowest clocks) after
+    ``sleep_after_s`` more, waking (the highest) on :meth:`wake`, active on the next step.
+    Every call must come from the thread that started it; every transition must be in
+    ``TRANSITIONS``."""
 
     def __init__(self, board: TreeBoard, policy: PowerPolicy, saved: Any, *,
                  wake_delay_s: float = 0.0) -> None:
@@ -169,7 +170,10 @@ class StrictController:
         self.steps += 1
         self.completions.extend(completions)
         now = load.time_s
-        if load.arrivals_total != self._last_arrivals or load.queue_depth:
+        # Activity: a new arrival, a request queued, or one computing (a board computing is
+        # not idle, however long its batch takes on a loaded machine).
+        if (load.arrivals_total != self._last_arrivals or load.queue_depth
+                or load.busy_instances):
             self._last_arrivals = load.arrivals_total
             self._last_arrival_s = now
             if self.state is PowerState.IDLE:

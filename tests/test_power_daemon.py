@@ -214,12 +214,28 @@ async def until(check: Any, timeout_s: float = 20.0) -> None:
 
 
 class WokenAtBatch(ServingObserver):
-    def __init__(self, controller: StrictController) -> None:
+    """What the board was when a batch ran: woken or not, and the GPU's limits then (read at
+    the batch, not after the answer: with the tests' short idle spells a loaded machine may
+    have the board parked again by the time the test reads the files)."""
+
+    def __init__(self, controller: StrictController, tree: FakeTree) -> None:
         self.controller = controller
+        self.tree = tree
         self.seen: list[bool] = []
+        self.limits: list[tuple[int, int]] = []
 
     def batch_done(self, event: BatchDone) -> None:
         self.seen.append(self.controller.woken.is_set())
+        self.limits.append(gpu_limits(self.tree))
+
+
+def wake_count(metrics: str, trigger: str) -> float:
+    """The wake histogram's count for ``trigger`` in a /metrics page (0 when absent)."""
+    import re
+
+    found = re.search(r'^edge_agent_power_wake_duration_seconds_count\{trigger="%s"\} (\S+)$'
+                      % trigger, metrics, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
 
 
 def test_a_request_after_sleep_wakes_the_board_before_it_runs_and_stop_restores(
@@ -242,11 +258,11 @@ def test_a_request_after_sleep_wakes_the_board_before_it_runs_and_stop_restores(
         seen["saved"] = json.loads(saved.path.read_text())["snapshot"]
         controller = parts.controller
         assert controller is not None
-        watcher = WokenAtBatch(controller)
+        watcher = WokenAtBatch(controller, tree)
         daemon.services["tiny"].observers.subscribe(watcher)
         await loop.run_in_executor(None, infer, port)
         seen["woken_at_batch"] = watcher.seen
-        seen["awake"] = gpu_limits(tree)
+        seen["awake"] = watcher.limits[0]
         seen["metrics"] = await loop.run_in_executor(None, scrape, port)
         seen["status"] = daemon.status()["power"]
 
@@ -255,7 +271,7 @@ def test_a_request_after_sleep_wakes_the_board_before_it_runs_and_stop_restores(
     assert seen["woken_at_batch"] == [True]  # the batch ran after the wake, not beside it
     assert seen["awake"][1] == table[-1]
     metrics = seen["metrics"]
-    assert 'edge_agent_power_wake_duration_seconds_count{trigger="request"} 1.0' in metrics
+    assert wake_count(metrics, "request") == 1  # one request, one wake
     assert 'edge_agent_power_frequency_hertz{clock="gpu"}' in metrics
     assert 'edge_agent_power_rail_watts{rail="VDD_IN"} 5.0' in metrics
     assert 'edge_agent_power_temperature_celsius{zone="cpu"} 48.0' in metrics
@@ -349,8 +365,9 @@ def test_the_real_board_and_controller_govern_the_tree_and_stop_restores_it(
 
     run_foreground(daemon, session=session)
     assert seen["asleep"] != original  # the governor wrote the board's files
-    assert 'edge_agent_power_wake_duration_seconds_count{trigger="request"} 1.0' in seen[
-        "metrics"]
+    # At least the first request woke the board (on a loaded machine the 50 ms idle spell may
+    # pass between two of the three, which wakes it again).
+    assert wake_count(seen["metrics"], "request") >= 1
     assert seen["status"]["wakes"] >= 1
     assert {path: tree.get(path) for path in board_files} == original
     assert not (installed["config"].state_dir / "power" / "saved.json").exists()
@@ -434,6 +451,10 @@ def test_a_reload_hands_the_new_policy_to_the_controller(installed: dict[str, An
         seen["result"] = reload(daemon, new)
         await until(lambda: parts.controller is not None
                     and parts.controller.policy.profile == "min")
+        # The service takes the policy as in force once the thread's call has answered on the
+        # loop, a moment after the controller has it.
+        await until(lambda: daemon.power is not None
+                    and daemon.power.status()["policy"]["profile"] == "min")
         seen["status"] = daemon.power.status() if daemon.power else None
 
     run_foreground(daemon, session=session)
