@@ -185,9 +185,13 @@ def run_set(args: argparse.Namespace) -> int:
             if text not in PROFILES:
                 raise ConfigError("not a power profile", key="power.profile",
                                   expected="one of " + ", ".join(PROFILES), found=text)
-            changes["profile"] = text
-            continue
-        name, value = parse_assignment(text)
+            name, value = "profile", text
+        else:
+            name, value = parse_assignment(text)
+        if name in changes and changes[name] != value:
+            # 'set max min' is a typo or a script's mistake: neither is more likely meant.
+            raise ConfigError("one profile (and one value of each key) per 'power set'",
+                              key=f"power.{name}", found=f"{changes[name]} and {value}")
         changes[name] = value
     client = _daemon_only(args, "set")
     status = client.call(POWER_SET, {"changes": changes}, timeout_s=30.0)
@@ -228,13 +232,30 @@ def trace_row(reading: dict[str, Any], elapsed_s: float) -> dict[str, Any]:
     return {key: "" if value is None else value for key, value in row.items()}
 
 
-def run_trace(args: argparse.Namespace) -> int:
-    source = Source(args)
-    print(f"tracing from the {source.where} for {args.duration:g} s every "
-          f"{args.interval:g} s", file=sys.stderr)
-    out = open(args.out, "w", newline="", encoding="utf-8") if args.out else sys.stdout
-    rows = 0
+def open_out(path: Path | None) -> IO[str]:
+    """The trace's CSV file (stdout without one), opened before anything is read.
+
+    Raises:
+        ConfigError: the file cannot be written (a missing directory, a directory, no
+            permission, a read-only file system), naming it.
+    """
+    if path is None:
+        return sys.stdout
     try:
+        return open(path, "w", newline="", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("cannot write the trace's CSV file", key="--out", path=str(path),
+                          reason=exc.strerror or str(exc)) from None
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    out = open_out(args.out)
+    rows = 0
+    where = f" to {args.out}" if args.out else ""
+    try:
+        source = Source(args)
+        print(f"tracing from the {source.where} for {args.duration:g} s every "
+              f"{args.interval:g} s", file=sys.stderr)
         writer: csv.DictWriter[str] | None = None
         started = time.monotonic()
         next_at = started
@@ -254,9 +275,13 @@ def run_trace(args: argparse.Namespace) -> int:
             out.flush()
             next_at += args.interval
             time.sleep(max(0.0, next_at - time.monotonic()))
+    except BaseException:
+        # Ctrl-C, the daemon gone: every row written is whole (each is flushed); say how many.
+        if rows:
+            print(f"{rows} readings written{where} before the trace stopped", file=sys.stderr)
+        raise
     finally:
         if out is not sys.stdout:
             out.close()
-    print(f"{rows} readings written" + (f" to {args.out}" if args.out else ""),
-          file=sys.stderr)
+    print(f"{rows} readings written{where}", file=sys.stderr)
     return 0

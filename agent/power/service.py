@@ -463,7 +463,14 @@ class PowerService:
         return policy
 
     def _controller_set_policy(self, policy: PowerPolicy) -> None:
-        self._on_thread().set_policy(policy)
+        controller = self._on_thread()
+        if (policy.profile != self._policy.profile
+                and controller.status().get("state") == PowerState.SLEEPING.value):
+            # A new profile places the board at once (max: the top point, stock: the board's
+            # own settings), which a sleeping board reaches only through a wake: the
+            # controller refuses sleeping -> active, after it has taken the policy.
+            controller.wake("policy")
+        controller.set_policy(policy)
 
     def reload(self, config: PowerConfig) -> None:
         """SIGHUP: the policy keys of a new ``[power]`` take effect (others need a restart)."""

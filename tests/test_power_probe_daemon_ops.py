@@ -1,0 +1,118 @@
+"""What an operator does to a daemon governing power, found wrong while probing it: a profile set
+while the board sleeps, ``power trace`` into a file it cannot write or cut short by Ctrl-C,
+conflicting profiles on one ``power set``. Real daemons (the real board layer and controller
+over a fake board tree from power/sim/tree.py), the real CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from agent.cli import main
+from agent.control.client import ControlClient
+from agent.control.protocol import SOCKET_NAME
+from agent.daemon import Daemon
+from agent.run import run_foreground
+from power.sim.tree import FakeTree
+from tests.power_boards import fake_board
+from tests.test_power_daemon import gpu_limits, installed, until  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.mark.parametrize("profile", ["max", "min", "stock"])
+def test_a_profile_set_while_the_board_sleeps_is_applied(installed: dict[str, Any],  # noqa: F811
+                                                         profile: str) -> None:
+    """``power set max`` on a sleeping board: the controller refused it (sleeping -> active is
+    not a transition) after it had already taken the policy, so the daemon and the governor
+    disagreed on the profile. Now the board is woken first and the profile applies."""
+    tree: FakeTree = installed["tree"]
+    table = tree.board.gpu_hz
+    original = gpu_limits(tree)
+    config = installed["config"]
+    daemon = Daemon(config)
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        loop = asyncio.get_running_loop()
+        await until(lambda: daemon.power is not None
+                    and daemon.power.status()["state"] == "sleeping")
+        client = ControlClient(config.state_dir / SOCKET_NAME)
+        seen["set"] = await loop.run_in_executor(
+            None, lambda: client.call("power.set", {"changes": {"profile": profile}},
+                                      timeout_s=30.0))
+        seen["limits"] = gpu_limits(tree)
+        seen["status"] = daemon.power.status() if daemon.power else None
+
+    run_foreground(daemon, session=session)
+    assert seen["set"]["policy"]["profile"] == profile
+    assert seen["status"]["policy"]["profile"] == profile
+    assert seen["status"]["controller"]["state"] != "sleeping"
+    if profile == "max":
+        assert seen["limits"] == (table[-1], table[-1])
+    elif profile == "stock":
+        assert seen["limits"] == original  # the board's own settings
+    assert gpu_limits(tree) == original  # and the stop restored the board
+
+
+def test_two_profiles_in_one_set_are_refused(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["max", "min"], ["max", "profile=min"]):
+        assert main(["power", "set", *argv, "--state-dir", str(tmp_path / "none")]) != 0
+        err = capsys.readouterr().err
+        assert "power.profile" in err and "one profile" in err, err
+
+
+@pytest.mark.parametrize("where", ["missing/dir/trace.csv", "a-directory"])
+def test_trace_into_a_file_it_cannot_write_is_a_clear_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str) -> None:
+    tree = fake_board(tmp_path)
+    (tmp_path / "a-directory").mkdir()
+    out = tmp_path / where
+    rc = main(["power", "trace", "--state-dir", str(tmp_path / "none"), "--root",
+               str(tree.root), "--duration", "0.2", "--interval", "0.1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "Traceback" not in err and str(out) in err and "--out" in err, err
+
+
+def test_ctrl_c_during_a_trace_leaves_every_row_whole_and_says_how_many(tmp_path: Path) -> None:
+    """SIGINT to a real ``edge-agent power trace`` on the board's files: the CSV has its
+    header and whole rows up to the last, and the count is said."""
+    tree = fake_board(tmp_path)
+    out = tmp_path / "trace.csv"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent", "power", "trace", "--state-dir", str(tmp_path / "none"),
+         "--root", str(tree.root), "--duration", "60", "--interval", "0.02", "--out", str(out)],
+        env={**os.environ, "PYTHONPATH": os.getcwd()}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_text().count("\n") >= 4):
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "no rows came"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=30)
+    assert process.returncode == 130
+    text = out.read_text()
+    assert text.endswith("\n")  # no half row
+    rows = list(csv.reader(text.splitlines()))
+    assert len(rows) >= 4 and all(len(row) == len(rows[0]) for row in rows)
+    assert f"{len(rows) - 1} readings written to {out}" in err, err
+    assert "Traceback" not in err
