@@ -67,12 +67,12 @@ def parse_release(text: str) -> str | None:
 
 
 def jetpack_of(release: str | None) -> int | None:
-    """The JetPack major version an L4T release belongs to (R32 -> 4, R35 -> 5, R36 -> 6,
-    R38 and later -> 7)."""
+    """The JetPack major version an L4T release belongs to (R32 -> 4, R34 (5.0 Developer
+    Preview) and R35 -> 5, R36 -> 6, R38 and later -> 7)."""
     if release is None:
         return None
     major = int(release[1:].split(".")[0])
-    return {32: 4, 35: 5, 36: 6}.get(major, 7 if major >= 38 else None)
+    return {32: 4, 34: 5, 35: 5, 36: 6}.get(major, 7 if major >= 38 else None)
 
 
 class Board:

@@ -4,12 +4,13 @@ profile's fake tree in every mode. Each test is a case a probe of the board laye
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
 
 from agent.errors import PowerError
-from power.board import Board
+from power.board import Board, jetpack_of, parse_release
 from power.io import WriteRule, check_value, read_int
 from power.profiles import PROFILES
 from power.sim.kernel import FakeKernel
@@ -214,3 +215,16 @@ def test_a_minimum_the_kernel_lifts_back_with_the_cap_is_written_again(tmp_path:
     result = board.apply(OperatingPoint(gpu_min_hz=612000000, gpu_max_hz=1020000000))
     assert result.ok, result.mismatches
     assert (result.applied.gpu_min_hz, result.applied.gpu_max_hz) == (612000000, 1020000000)
+
+
+def test_the_fake_kernel_refuses_digits_that_are_not_ascii_as_einval(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    kernel = FakeKernel(tree.root, 6)
+    with pytest.raises(OSError) as caught:
+        kernel.write(f"{tree.gpu_freq_dir}/max_freq", "６１２")
+    assert caught.value.errno == errno.EINVAL
+
+
+def test_jetpack_5_developer_preview_is_jetpack_5() -> None:
+    assert jetpack_of(parse_release("# R34 (release), REVISION: 1.1, GCID: 1, BOARD: t186ref")) \
+        == 5

@@ -102,7 +102,7 @@ class FakeKernel:
     @staticmethod
     def _number(path: Path, value: str) -> int:
         text = value.strip()
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):  # kstrtoul takes ASCII digits only
             raise _error(errno.EINVAL, path)
         return int(text)
 
