@@ -38,8 +38,9 @@ from power.types import ClockTable, Completion, LoadSample, OperatingPoint, Powe
 CPU_LEVELS = 6  # CPU entries the governor chooses among (the table's ends and evenly between)
 TAIL_QUANTILE = 0.995  # of observed/predicted compute, for the margin
 MIN_MARGIN = 1.15
-UP_HEADROOM = 0.90  # going up: aim this far under the target, so one step is enough
-DOWN_BAND = 0.85  # going down: the new point must meet this share of the target
+MISS_HEADROOM = 0.70  # after a miss: aim this far under the target
+UP_HEADROOM = 0.95  # going up: aim this far under the target, so one step is enough
+DOWN_BAND = 0.90  # going down: the new point must meet this share of the target
 DOWN_COST_GAIN = 0.97  # ... and cost at most this share of the point in force
 DOWN_HOLD_S = 1.5  # no move down sooner than this after any change
 DOWN_AFTER_UP_S = 3.0  # ... nor this soon after a move up
@@ -246,6 +247,7 @@ class Governor:
         self.peak_rate_hz = 0.0  # the highest planning rate since the controller last reset it
         self._rate_at_change_hz = 0.0  # the planning rate when the point in force was taken
         self._chosen_p99_s: float | None = None  # the estimate it was taken with
+        self._planned_rate_hz = 0.0  # the rate the last search planned for
         self._fresh_miss_s = 0.0  # the worst miss at the point in force, while fresh
         self._fresh_miss_at_s = -math.inf
         self._last_down_check_s = -math.inf
@@ -423,8 +425,9 @@ class Governor:
             # starts to oscillate); plan for a rate a little above the measured one (a 2 s window of a
             # Poisson stream is off by several per cent), and not into a load where a slow spell
             # builds a queue the lower clocks cannot drain.
-            rate *= DOWN_RATE_FACTOR
+            rate = max(rate, self._rate.fast_hz, self._rate.slow_hz) * DOWN_RATE_FACTOR
             busy_limit = DOWN_MAX_BUSY
+        self._planned_rate_hz = rate
         margin = self.margin()
         limit = self.policy.latency_target_s * share_of_target
         power_cap = self.policy.power_cap_mw
@@ -500,6 +503,7 @@ class Governor:
         if not self.model.ready:
             return self._go(Choice(key=top, reason="learning", predicted_s=None), now)
         self._refresh(now)  # the multipliers every estimate below uses, current or not
+        self._planned_rate_hz = 0.0
         # Emergencies first: a queue the point in force cannot drain inside the target (to the
         # cheapest point that can), or a fresh miss (clustered: the next is likely to miss too).
         if current is not None and load.queue_depth > 0 and current != top:
@@ -527,7 +531,10 @@ class Governor:
         missed = observed is not None and observed > target
         if current is None or current_p99 is None or current_p99 > target \
                 or not self._allowed(current, cap):
-            found = self.best(now, UP_HEADROOM, cap, anchored=True)
+            # After a miss, aim well under the target: misses cluster (K26), and the next
+            # request may already be in the slow spell.
+            found = self.best(now, MISS_HEADROOM if missed else UP_HEADROOM, cap,
+                              anchored=True)
             key, p99 = found if found is not None else (top, None)
             if current is not None and self._allowed(current, cap) \
                     and self.cost(key) <= self.cost(current):
@@ -573,7 +580,7 @@ class Governor:
         self.current = choice.key
         self._held.clear()
         self._fresh_miss_s = 0.0
-        self._rate_at_change_hz = self._rate.planning_hz
+        self._rate_at_change_hz = max(self._rate.planning_hz, self._planned_rate_hz)
         self._chosen_p99_s = choice.predicted_s
         return choice
 
