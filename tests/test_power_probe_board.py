@@ -228,3 +228,23 @@ def test_the_fake_kernel_refuses_digits_that_are_not_ascii_as_einval(tmp_path: P
 def test_jetpack_5_developer_preview_is_jetpack_5() -> None:
     assert jetpack_of(parse_release("# R34 (release), REVISION: 1.1, GCID: 1, BOARD: t186ref")) \
         == 5
+
+
+def test_a_snapshot_with_a_control_the_board_cannot_reach_now_restores_the_rest(
+        tmp_path: Path) -> None:
+    # Saved while debugfs was readable; after a crash and a reboot it is not (not mounted yet,
+    # or the agent now runs as a user): the GPU and CPU limits must still come back.
+    with_debugfs = fake_board(tmp_path / "a", "orin-nano", 6)
+    saved = open_board(with_debugfs)[0].snapshot()
+    emc_files = [path for path in saved["files"] if path.startswith(EMC)]
+    assert emc_files
+    tree = fake_board(tmp_path / "b", "orin-nano", 6, debugfs=False)
+    board, _ = open_board(tree)
+    original = board.read_point()
+    board.apply(OperatingPoint(gpu_min_hz=1020000000, gpu_max_hz=1020000000,
+                               cpu_max_khz=729600))
+    result = board.restore(saved)
+    assert result.ok
+    assert any(entry.startswith(f"snapshot: {len(emc_files)} limit(s)") and emc_files[0] in entry
+               for entry in result.unsupported)
+    assert board.read_point() == original
