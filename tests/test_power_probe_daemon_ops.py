@@ -116,3 +116,43 @@ def test_ctrl_c_during_a_trace_leaves_every_row_whole_and_says_how_many(tmp_path
     assert len(rows) >= 4 and all(len(row) == len(rows[0]) for row in rows)
     assert f"{len(rows) - 1} readings written to {out}" in err, err
     assert "Traceback" not in err
+
+
+def test_a_stop_that_cannot_put_a_limit_back_keeps_the_saved_limits_for_the_next_start(
+        installed: dict[str, Any]) -> None:  # noqa: F811
+    """The GPU's devfreq files gone when the daemon stops (a driver reload): its limits could
+    not be put back, so the saved limits stay; once the files are back, the next start puts
+    them back. Before, the stop logged 'restored' and dropped the saved file, leaving the
+    board at the sleep floor for good."""
+    import shutil
+
+    tree: FakeTree = installed["tree"]
+    original = gpu_limits(tree)
+    config = installed["config"]
+    saved = config.state_dir / "power" / "saved.json"
+    gpu_dir = tree.root / tree.gpu_freq_dir
+    aside = tree.root.parent / "gpu-aside"
+    daemon = Daemon(config)
+
+    async def session(port: int) -> None:
+        await until(lambda: daemon.power is not None
+                    and daemon.power.status()["state"] == "sleeping")
+        assert gpu_limits(tree) != original
+        shutil.move(str(gpu_dir), str(aside))
+
+    run_foreground(daemon, session=session)
+    assert saved.exists()  # kept: the GPU's limits were not put back
+    shutil.move(str(aside), str(gpu_dir))
+    assert gpu_limits(tree) != original  # still the sleep floor
+
+    again = Daemon(config)
+    seen: dict[str, Any] = {}
+
+    async def restart(port: int) -> None:
+        await until(lambda: again.power is not None and again.power.status()["running"])
+        seen["restored"] = again.power.status()["restored_at_start"] if again.power else None
+
+    run_foreground(again, session=restart)
+    assert seen["restored"] is True
+    assert gpu_limits(tree) == original
+    assert not saved.exists()

@@ -277,7 +277,7 @@ class PowerService:
             error = exc
         finally:
             self._refuse_waiting_calls()
-            error = self._stop_controller(controller) or error
+            error = self._stop_controller(controller, board) or error
             # A privileged helper's connection is its lease: closed once the board is back.
             close = getattr(getattr(board, "writer", None), "close", None)
             if callable(close):
@@ -369,11 +369,23 @@ class PowerService:
             self._on_loop(self._arm)
         self._needs_wake = needs_wake
 
-    def _stop_controller(self, controller: PowerController | None) -> BaseException | None:
+    def _stop_controller(self, controller: PowerController | None,
+                         board: BoardControl | None) -> BaseException | None:
         """Stop the controller, which puts the board's saved limits back; its error, if any
-        (the saved file then stays, and the next start restores from it)."""
+        (the saved file then stays, and the next start restores from it).
+
+        The controller forgets the saved limits once it has tried; where the board then does
+        not read back as saved (a limit's file gone or refusing the write: a degraded control
+        is skipped, not a mismatch), they are saved again, so that the next start restores
+        what this stop could not."""
         if controller is None:
             return None
+        try:
+            wanted = self.saved.load()
+        except Exception as exc:  # noqa: BLE001 - the controller's stop still restores
+            log.warning("the saved board limits could not be read before the stop: %s",
+                        first_line(exc))
+            wanted = None
         try:
             result = controller.stop()
         except Exception as exc:  # noqa: BLE001 - reported as the task's failure
@@ -381,12 +393,42 @@ class PowerService:
                       "start restores it): %s", first_line(exc))
             return exc
         mismatches = getattr(result, "mismatches", ())
-        if mismatches:
+        left = self._not_restored(board, wanted)
+        if left and wanted is not None:
+            try:
+                self.saved.save(wanted)
+                kept = f"kept in {self.saved.path} for the next start"
+            except Exception as exc:  # noqa: BLE001 - said, the stop goes on
+                kept = f"and could not be kept for the next start: {first_line(exc)}"
+            log.error("the board's limits are not all back: %s; %s", ", ".join(left[:5]), kept)
+        elif mismatches:
             log.error("restoring the board left %d limit(s) different: %s", len(mismatches),
                       ", ".join(str(getattr(m, "path", m)) for m in mismatches[:5]))
         else:
             log.info("the board's limits are restored")
         return None
+
+    @staticmethod
+    def _not_restored(board: BoardControl | None, wanted: dict[str, Any] | None) -> list[str]:
+        """What of the saved limits ``wanted`` the board does not read back (paths, or the
+        snapshot's keys where it has no files)."""
+        if board is None or wanted is None:
+            return []
+        try:
+            found = board.snapshot()
+        except Exception as exc:  # noqa: BLE001 - unreadable is not restored
+            return [f"the board cannot be read ({first_line(exc)})"]
+        if found == wanted:
+            return []
+        files, found_files = wanted.get("files"), found.get("files")
+        if isinstance(files, dict) and isinstance(found_files, dict):
+            left = [f"{path} (wanted {value}, found {found_files.get(path, 'no file')})"
+                    for path, value in sorted(files.items()) if found_files.get(path) != value]
+            if wanted.get("nvpmodel_mode") != found.get("nvpmodel_mode"):
+                left.append(f"nvpmodel mode (wanted {wanted.get('nvpmodel_mode')}, found "
+                            f"{found.get('nvpmodel_mode')})")
+            return left
+        return [str(key) for key in sorted(wanted) if found.get(key) != wanted[key]]
 
     # -- the loop's side ------------------------------------------------------------------------
 
