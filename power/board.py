@@ -347,7 +347,10 @@ class Board:
     def restore(self, snapshot: dict[str, Any]) -> ApplyResult:
         """Put back every limit of ``snapshot`` (from :meth:`snapshot`, maybe of an earlier run):
         nvpmodel's mode first (it rewrites the caps), then the GPU and CPU limits in the safe
-        order, the EMC (unlocked, or locked at its rate) and rail-gating."""
+        order, the EMC (unlocked, or locked at its rate) and rail-gating. Limits of a control
+        this board cannot reach now are skipped and named in ``unsupported``; a snapshot of
+        another board, of another format, with values that are not text or with files that
+        are no board limit raises PowerError before anything is written."""
         if not isinstance(snapshot, dict) or snapshot.get("format") != SNAPSHOT_FORMAT or \
                 not isinstance(snapshot.get("files"), dict):
             raise PowerError("not a board snapshot this version can restore",
