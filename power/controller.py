@@ -9,9 +9,13 @@ simulator's serving loop call:
 * :meth:`~Controller.step` (every ~50 ms) learns from the completions, reads telemetry at a lower
   cadence (temperature and power change slowly; a full read costs more than a step may), moves
   between the states of :data:`~power.types.TRANSITIONS` and applies the governor's point.
-* :meth:`~Controller.wake` is the batcher's wake hook: before the first request after idle or
-  sleep is dispatched, it boosts the clocks (one apply, no telemetry). :meth:`~Controller.needs_wake`
-  says whether the hook must be called.
+* :meth:`~Controller.wake` is the batcher's wake hook: before the first request after the clocks
+  were parked is dispatched, it boosts them (one apply, no telemetry): to the top after sleep or a
+  long idle (for that first request only; the point sized for the last busy period follows once
+  it is answered), else straight to that sized point. :meth:`~Controller.needs_wake` says whether
+  the hook must be called. Clocks are parked (lowest, rail-gating allowed) in ``idle`` and
+  ``sleeping``, and inside ``active`` after a quiet moment longer than a few of the stream's own
+  gaps (race to idle between bursts; a steady stream is never parked between its requests).
 * :meth:`~Controller.stop` restores the snapshot and forgets the saved copy.
 
 Profiles: ``governed`` (the governor), ``max``/``min`` (the top or bottom point pinned) and
