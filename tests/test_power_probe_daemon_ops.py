@@ -156,3 +156,37 @@ def test_a_stop_that_cannot_put_a_limit_back_keeps_the_saved_limits_for_the_next
     assert seen["restored"] is True
     assert gpu_limits(tree) == original
     assert not saved.exists()
+
+
+def test_a_request_after_the_board_was_raised_otherwise_is_not_counted_as_a_wake(
+        installed: dict[str, Any]) -> None:  # noqa: F811
+    """The board asleep, then raised by ``power set max``: the batchers were left armed, so
+    the next request went through the wake hook and counted a wake of an awake board."""
+    import urllib.request
+
+    from tests.test_power_daemon import infer, wake_count
+
+    config = installed["config"]
+    daemon = Daemon(config)
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        loop = asyncio.get_running_loop()
+        await until(lambda: daemon.power is not None
+                    and daemon.power.status()["state"] == "sleeping")
+        client = ControlClient(config.state_dir / SOCKET_NAME)
+        await loop.run_in_executor(None, lambda: client.call(
+            "power.set", {"changes": {"profile": "max"}}, timeout_s=30.0))
+        await until(lambda: not any(model.batcher.wake_armed
+                                    for model in daemon.services.values()))
+        await loop.run_in_executor(None, infer, port)
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                return r.read().decode()
+        seen["metrics"] = await loop.run_in_executor(None, scrape)
+        seen["wakes"] = daemon.power.status()["wakes"] if daemon.power else None
+
+    run_foreground(daemon, session=session)
+    assert wake_count(seen["metrics"], "request") == 0
+    assert seen["wakes"] == 0
