@@ -8,7 +8,9 @@ restored and the file removed. The controller (``power/controller.py``) does thi
 :func:`begin` and :func:`end` are the same sequence for a caller driving a board without it
 (stricter: :func:`begin` raises when the crash restore is not complete). The file is written
 atomically (written, fsynced, renamed, its folder fsynced: ``agent/fsutil.py``), so a crash while
-saving leaves the old copy or the new one, never half of one.
+saving leaves the old copy or the new one, never half of one. A copy that cannot be read back
+(a disk fault, a hand edit) is moved aside to ``<name>.damaged`` as the error is raised, so it
+fails one start, not every one.
 """
 
 from __future__ import annotations
@@ -57,9 +59,25 @@ class SavedSnapshot:
             if not isinstance(snapshot, dict):
                 raise ValueError("'snapshot' is not an object")
         except (ValueError, KeyError, TypeError) as exc:
-            raise PowerError("the saved board settings are not readable", path=str(self.path),
-                             reason=str(exc)[:200]) from exc
+            moved = self.discard()
+            raise PowerError("the saved board settings are not readable (moved aside: the next "
+                             "start saves the board as it is then)", path=str(self.path),
+                             moved_to=moved, reason=str(exc)[:200]) from exc
         return snapshot
+
+    def discard(self) -> str | None:
+        """Move the file aside to ``<name>.damaged`` (replacing an older one), for a copy that
+        can never be restored: left in place it would fail every start and need a person on
+        the board. Returns where it went, ``None`` when it could not be moved."""
+        target = self.path.with_name(self.path.name + ".damaged")
+        try:
+            os.replace(self.path, target)
+            fsync_dir(self.path.parent)
+        except OSError as exc:
+            log.error("cannot move the unusable %s aside: %s", self.path, exc.strerror)
+            return None
+        log.error("moved the unusable saved board settings to %s", target)
+        return str(target)
 
     def clear(self) -> None:
         try:

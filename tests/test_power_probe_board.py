@@ -13,6 +13,7 @@ from agent.errors import PowerError
 from power.board import Board, jetpack_of, parse_release
 from power.io import WriteRule, check_value, read_int
 from power.profiles import PROFILES
+from power.saved import SavedSnapshot
 from power.sim.kernel import FakeKernel
 from power.sim.tree import FakeTree, write_tree
 from power.types import OperatingPoint
@@ -248,3 +249,22 @@ def test_a_snapshot_with_a_control_the_board_cannot_reach_now_restores_the_rest(
     assert any(entry.startswith(f"snapshot: {len(emc_files)} limit(s)") and emc_files[0] in entry
                for entry in result.unsupported)
     assert board.read_point() == original
+
+
+@pytest.mark.parametrize("content", ['{"snapshot": ', "", "[]", '{"snapshot": []}', "null"])
+def test_a_damaged_saved_copy_fails_one_start_not_every_one(tmp_path: Path,
+                                                            content: str) -> None:
+    saved = SavedSnapshot(tmp_path / "saved.json")
+    saved.path.write_text(content)
+    with pytest.raises(PowerError, match="not readable"):
+        saved.load()
+    assert saved.load() is None
+    assert (tmp_path / "saved.json.damaged").read_text() == content
+
+
+def test_a_saved_copy_that_cannot_be_read_is_left_in_place(tmp_path: Path) -> None:
+    saved = SavedSnapshot(tmp_path / "saved.json")
+    saved.path.mkdir()  # EISDIR: not the copy's fault, nothing to move aside
+    with pytest.raises(PowerError, match="cannot read"):
+        saved.load()
+    assert saved.path.is_dir() and not (tmp_path / "saved.json.damaged").exists()
