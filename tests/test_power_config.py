@@ -65,11 +65,17 @@ def test_power_section_from_file_and_environment(tmp_path: Path) -> None:
     ("telemetry_period_s = 0.06\ncontrol_period_s = 0.5", "power.telemetry_period_s"),
     ('wake_timeout_s = "1s"', "power.wake_timeout_s"),
     ("bogus = 1", "power.bogus"),
+    ('board = "orin-nano-9000"', "power.board"),  # was only found when the board opened
 ])
 def test_bad_power_values_name_the_key(tmp_path: Path, text: str, key: str) -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_text(tmp_path, f"[power]\n{text}\n")
     assert excinfo.value.fields.get("key") == key, excinfo.value
+
+
+def test_a_board_profile_or_its_alias_is_accepted(tmp_path: Path) -> None:
+    for name in ("orin-nano", "agx-orin-64gb", "xavier-nx"):
+        assert load_text(tmp_path, f'[power]\nboard = "{name}"\n').power.board == name
 
 
 def test_sleep_mode_with_nvpmodel_allowed() -> None:

@@ -398,6 +398,13 @@ class PowerConfig(Section):
     wake_timeout_s: float = field(default=1.0, metadata=bounds(minimum=0.01, maximum=10.0))
 
     def _check(self) -> None:
+        if self.board:
+            # Named here, at start, rather than when the power thread opens the board.
+            from power.profiles import ALIASES, PROFILES
+
+            if self.board not in PROFILES and self.board not in ALIASES:
+                raise invalid("power.board", "empty (identify the board) or one of "
+                              + ", ".join(sorted([*PROFILES, *ALIASES])), self.board)
         if self.sleep_after_s < self.idle_after_s:
             raise invalid("power.sleep_after_s",
                           f"at least power.idle_after_s ({self.idle_after_s:g})",
