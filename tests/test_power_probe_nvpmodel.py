@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from agent.errors import PowerError
 from power.board import Board
 from power.commands import CommandResult
 from power.jetson_clocks import JetsonClocks
-from power.nvpmodel import parse_conf
+from power.nvpmodel import parse_conf, parse_query
 from power.sim.commands import FakeCommands
 from power.sim.kernel import FakeKernel
 from power.types import OperatingPoint
@@ -113,3 +116,22 @@ def test_jetson_clocks_pins_the_online_clusters_of_a_mode_with_cpus_offline(
     assert tree.get(f"{tree.gpu_freq_dir}/min_freq") == tree.get(f"{tree.gpu_freq_dir}/max_freq")
     clocks.restore(stored)
     assert tree.get(f"{policy0}/scaling_min_freq") == "729600"
+
+
+@pytest.mark.parametrize(("output", "expected"), [
+    ("NV Power Mode: 15W\r\n0\r\n", (0, "15W")),
+    ("NV Fan Mode:quiet\nNV Power Mode: MODE_10W\n1\n", (1, "MODE_10W")),  # r32 prints the fan
+    ("NVPM WARN: fan mode is not set!\nNV Power Mode: 25W\n  1  \n", (1, "25W")),
+    ("NVPM VERB: Config file: /etc/nvpmodel.conf\nNVPM VERB: Current mode: NV Power Mode: "
+     "MAXN_SUPER\n2\nNVPM VERB: PARAM GPU: ARG MAX_FREQ: PATH /sys/x: REAL_VAL: 1020000000 "
+     "CONF_VAL: 9223372036854775807\n", (2, "MAXN_SUPER")),
+])
+def test_query_output_variants(output: str, expected: tuple[int, str]) -> None:
+    assert parse_query(output) == expected
+
+
+@pytest.mark.parametrize("output", ["", "NVPM ERROR: failed to parse /etc/nvpmodel.conf\n",
+                                    "0\nNV Power Mode: 15W\n"])
+def test_query_output_without_a_mode_is_a_clear_error(output: str) -> None:
+    with pytest.raises(PowerError, match="could not read the mode"):
+        parse_query(output)
