@@ -518,7 +518,7 @@ class _Step:
             return
         writer = self.board.writer
         if rate_hz is None:
-            self._run("emc", emc.lock_path, lambda: emc.unlock(writer), lambda: [])
+            self._run("emc", emc.lock_path, lambda: emc.unlock(writer), list)
         else:
             self._run("emc", emc.rate_path, lambda: emc.lock(writer, rate_hz),
                       lambda: emc.check(rate_hz))
@@ -528,7 +528,7 @@ class _Step:
         if self._skip("railgate") or railgate is None:
             return
         self._run("railgate", railgate.path, lambda: railgate.set(self.board.writer, allow),
-                  lambda: [])
+                  list)
 
     def result(self) -> ApplyResult:
         return ApplyResult(applied=self.board.read_point(), mismatches=tuple(self.mismatches),

@@ -152,7 +152,8 @@ def allowed_writes(root: Path) -> dict[str, WriteRule]:
     """Every file the board layer may write under ``root``, with the rule for its values; read
     from the board's own files (its GPU, CPU and EMC tables), so a helper running as root can
     refuse any other request. Controls the board lacks are simply absent."""
-    from power.sysfs.discover import discover  # the discovery needs this module's readers
+    # Imported here: the discovery needs this module's readers.
+    from power.sysfs.discover import discover
 
     paths = discover(Path(root))
     rules: dict[str, WriteRule] = {}

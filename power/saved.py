@@ -57,7 +57,7 @@ class SavedSnapshot:
             document = json.loads(data)
             snapshot = document["snapshot"]
             if not isinstance(snapshot, dict):
-                raise ValueError("'snapshot' is not an object")
+                raise TypeError("'snapshot' is not an object")
         except (ValueError, KeyError, TypeError) as exc:
             moved = self.discard()
             raise PowerError("the saved board settings are not readable (moved aside: the next "

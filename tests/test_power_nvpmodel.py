@@ -12,7 +12,13 @@ from agent.errors import PowerError
 from power.board import Board
 from power.commands import CommandResult, SubprocessRunner
 from power.jetson_clocks import JetsonClocks
-from power.nvpmodel import Nvpmodel, NvpmodelUnavailable, parse_conf, parse_query, read_status
+from power.nvpmodel import (
+    Nvpmodel,
+    NvpmodelUnavailable,
+    parse_conf,
+    parse_query,
+    read_status,
+)
 from power.sim.commands import FakeCommands
 from power.sim.kernel import FakeKernel
 from power.sim.tree import render_nvpmodel_conf
@@ -91,14 +97,14 @@ GPU MAX_FREQ 624750000
 
 @pytest.mark.parametrize(("text", "message"), [
     ("< POWER_MODEL ID=0 NAME=X >\n", "PM_CONFIG"),
-    ("< PARAM TYPE=CLOCK NAME=GPU >\nMAX_FREQ /x\n< POWER_MODEL ID=0 NAME=A >\n"
-     "GPU MAX_FREQ fast\n< PM_CONFIG DEFAULT=0 >\n", "integer"),
+    (("< PARAM TYPE=CLOCK NAME=GPU >\nMAX_FREQ /x\n< POWER_MODEL ID=0 NAME=A >\n"
+      "GPU MAX_FREQ fast\n< PM_CONFIG DEFAULT=0 >\n"), "integer"),
     ("< POWER_MODEL ID=0 NAME=A >\nCPU MAX_FREQ 1\n< PM_CONFIG DEFAULT=0 >\n", "undeclared"),
     ("CORE_0 /sys/x\n", "before any section"),
     ("< POWER_MODEL NAME=A >\n", "numeric ID"),
     ("< PARAM TYPE=CLOCK NAME=GPU\n", "section header"),
-    ("< PARAM TYPE=CLOCK NAME=GPU >\nMAX_FREQ /x\n< POWER_MODEL ID=0 NAME=A >\n"
-     "< PM_CONFIG DEFAULT=3 >\n", "default mode"),
+    (("< PARAM TYPE=CLOCK NAME=GPU >\nMAX_FREQ /x\n< POWER_MODEL ID=0 NAME=A >\n"
+      "< PM_CONFIG DEFAULT=3 >\n"), "default mode"),
 ])
 def test_a_malformed_configuration_names_the_problem(text: str, message: str) -> None:
     with pytest.raises(PowerError, match=message):

@@ -122,9 +122,9 @@ def test_jetson_clocks_pins_the_online_clusters_of_a_mode_with_cpus_offline(
     ("NV Power Mode: 15W\r\n0\r\n", (0, "15W")),
     ("NV Fan Mode:quiet\nNV Power Mode: MODE_10W\n1\n", (1, "MODE_10W")),  # r32 prints the fan
     ("NVPM WARN: fan mode is not set!\nNV Power Mode: 25W\n  1  \n", (1, "25W")),
-    ("NVPM VERB: Config file: /etc/nvpmodel.conf\nNVPM VERB: Current mode: NV Power Mode: "
-     "MAXN_SUPER\n2\nNVPM VERB: PARAM GPU: ARG MAX_FREQ: PATH /sys/x: REAL_VAL: 1020000000 "
-     "CONF_VAL: 9223372036854775807\n", (2, "MAXN_SUPER")),
+    (("NVPM VERB: Config file: /etc/nvpmodel.conf\nNVPM VERB: Current mode: NV Power Mode: "
+      "MAXN_SUPER\n2\nNVPM VERB: PARAM GPU: ARG MAX_FREQ: PATH /sys/x: REAL_VAL: 1020000000 "
+      "CONF_VAL: 9223372036854775807\n"), (2, "MAXN_SUPER")),
 ])
 def test_query_output_variants(output: str, expected: tuple[int, str]) -> None:
     assert parse_query(output) == expected
