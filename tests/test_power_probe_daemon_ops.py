@@ -190,3 +190,78 @@ def test_a_request_after_the_board_was_raised_otherwise_is_not_counted_as_a_wake
     run_foreground(daemon, session=session)
     assert wake_count(seen["metrics"], "request") == 0
     assert seen["wakes"] == 0
+
+
+def test_power_off_serves_without_a_power_thread_metrics_or_board_writes(
+        installed: dict[str, Any]) -> None:  # noqa: F811
+    import dataclasses
+    import threading
+    import urllib.request
+
+    from tests.test_power_daemon import infer
+
+    config = installed["config"]
+    tree: FakeTree = installed["tree"]
+    files = sorted(path for path in tree.root.rglob("*") if path.is_file()
+                   and not path.is_symlink())
+    before = {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in files}
+    daemon = Daemon(dataclasses.replace(config, power=dataclasses.replace(config.power,
+                                                                          enabled=False)))
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            await loop.run_in_executor(None, infer, port)
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                return r.read().decode()
+        seen["metrics"] = await loop.run_in_executor(None, scrape)
+        seen["threads"] = [thread.name for thread in threading.enumerate()]
+        seen["armed"] = [model.batcher.wake_armed for model in daemon.services.values()]
+
+    run_foreground(daemon, session=session)
+    assert "power" not in seen["threads"]
+    assert "edge_agent_power_" not in seen["metrics"]
+    assert seen["armed"] == [False]
+    assert {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in files} == before
+
+
+def test_many_first_requests_after_sleep_wake_the_board_once(
+        installed: dict[str, Any]) -> None:  # noqa: F811
+    import concurrent.futures
+    import dataclasses
+    import urllib.request
+
+    from tests.test_power_daemon import infer, wake_count
+
+    config = installed["config"]
+    tree: FakeTree = installed["tree"]
+    table = tree.board.gpu_hz
+    # Longer quiet spells than the fixture's, so that the burst itself cannot idle the board.
+    config = dataclasses.replace(config, power=dataclasses.replace(
+        config.power, idle_after_s=0.5, sleep_after_s=0.6))
+    daemon = Daemon(config)
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        loop = asyncio.get_running_loop()
+        await until(lambda: daemon.power is not None
+                    and daemon.power.status()["state"] == "sleeping")
+        seen["asleep"] = gpu_limits(tree)
+
+        def burst() -> None:
+            with concurrent.futures.ThreadPoolExecutor(32) as pool:
+                list(pool.map(lambda _: infer(port), range(32)))  # each asserts a 200
+        await loop.run_in_executor(None, burst)
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                return r.read().decode()
+        seen["metrics"] = await loop.run_in_executor(None, scrape)
+
+    run_foreground(daemon, session=session)
+    assert seen["asleep"] == (table[0], table[0])
+    assert wake_count(seen["metrics"], "request") == 1
+    assert "edge_agent_power_wake_timeouts_total 0.0" in seen["metrics"]

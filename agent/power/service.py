@@ -479,29 +479,17 @@ class PowerService:
         """Have the controller wake the board (boost before the next request runs); returns
         the seconds it took, which the wake histogram records by ``trigger``."""
         started = time.monotonic()
-        needed = await self._call(lambda: self._wake_on_thread(trigger), f"wake ({trigger})")
+        await self._call(lambda: self._on_thread().wake(trigger), f"wake ({trigger})")
         seconds = time.monotonic() - started
-        for batcher in self._batchers():
-            batcher.disarm_wake()
-        if not needed:
-            # A request's wake finding the board raised meanwhile: not a wake.
-            log.debug("a %s wake found the board awake", trigger)
-            return seconds
+        # A request's wake is counted even where the controller's own step raised the board
+        # for the same requests a moment before the call ran (they waited for either).
         self._wakes += 1
         self._last_wake_s = seconds
         self.metrics.observe_wake(trigger, seconds)
+        for batcher in self._batchers():
+            batcher.disarm_wake()
         log.info("woke the board for a %s in %.1f ms", trigger, seconds * 1e3)
         return seconds
-
-    def _wake_on_thread(self, trigger: str) -> bool:
-        """Wake the board; whether it was a wake. A request's wake is skipped where the board
-        no longer needs one; a command's (an operator expecting traffic) is the controller's
-        to judge, and counted."""
-        controller = self._on_thread()
-        if trigger == "request" and not controller.needs_wake():
-            return False
-        controller.wake(trigger)
-        return True
 
     def _on_thread(self) -> PowerController:
         if self._controller is None:
