@@ -145,14 +145,8 @@ class Controller:
         table and put the policy's first point in force."""
         if self._started:
             raise PowerError("the power controller is already started")
-        left_over = self._saved.load()
+        left_over = self._left_over()
         if left_over is not None:
-            log.warning("restoring the board limits a previous run left (it did not stop)")
-            result = self.board.restore(left_over)
-            if not result.ok:
-                log.warning("restore after a crash left %d limit(s) different: %s",
-                            len(result.mismatches),
-                            ", ".join(m.path for m in result.mismatches))
             self._snapshot = left_over
         else:
             self._snapshot = self.board.snapshot()
@@ -173,6 +167,37 @@ class Controller:
         now = self._clock()
         self._last_activity_s = now
         self._enter_profile(now)
+
+    def _left_over(self) -> dict[str, Any] | None:
+        """The limits a previous run saved and did not restore (it crashed), put back now; None
+        when there are none, or when they cannot be used: a damaged copy, or one this board
+        refuses (another board's, after a JetPack upgrade changed the device tree, say). Such a
+        copy is moved aside, and the limits in force now are taken as the board's own: refusing
+        to start would leave power governance off on this board for good."""
+        try:
+            left_over = self._saved.load()
+        except PowerError as exc:
+            log.error("the saved board limits cannot be used (%s); the limits in force now are "
+                      "taken as the board's own", exc)
+            return None
+        if left_over is None:
+            return None
+        log.warning("restoring the board limits a previous run left (it did not stop)")
+        try:
+            result = self.board.restore(left_over)
+        except PowerError as exc:
+            discard = getattr(self._saved, "discard", None)
+            if callable(discard):
+                discard()
+            else:
+                self._saved.clear()
+            log.error("this board refuses the limits a previous run saved (%s): the copy is set "
+                      "aside and the limits in force now are taken as the board's own", exc)
+            return None
+        if not result.ok:
+            log.warning("restore after a crash left %d limit(s) different: %s",
+                        len(result.mismatches), ", ".join(m.path for m in result.mismatches))
+        return left_over
 
     def stop(self) -> ApplyResult | None:
         """Put the board's original limits back and forget the saved copy."""

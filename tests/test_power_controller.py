@@ -242,3 +242,37 @@ def test_over_the_real_board_a_crashed_run_is_undone_at_the_next_start(tmp_path:
     assert files(tree) == before  # the crashed run's limits are gone before anything else
     restarted.stop()
     assert files(tree) == before and store.load() is None
+
+
+def test_a_left_over_copy_this_board_refuses_is_set_aside_and_the_start_goes_on(
+        tmp_path: Path) -> None:
+    """A crashed run's copy from another board (a JetPack upgrade turned the Orin Nano's device
+    tree into the super one) must not fail every start: it is moved aside, and the limits in
+    force are saved as the board's own."""
+    from power.board import Board
+    from power.controller import Controller
+    from power.profiles import profile
+    from power.saved import SavedSnapshot
+    from power.sim.kernel import FakeKernel
+    from power.sim.tree import write_tree
+    from power.types import PowerPolicy
+
+    write_tree(tmp_path / "nano", profile("orin-nano-8gb"), 6)
+    write_tree(tmp_path / "super", profile("orin-nano-super"), 6)
+    saved = SavedSnapshot(tmp_path / "saved.json")
+    saved.save(Board.open(tmp_path / "nano", writer=FakeKernel(tmp_path / "nano", 6)).snapshot())
+    board = Board.open(tmp_path / "super", writer=FakeKernel(tmp_path / "super", 6))
+    original = board.snapshot()
+    controller = Controller(board, PowerPolicy(), saved=saved)
+    controller.start()
+    assert (tmp_path / "saved.json.damaged").exists()
+    assert saved.load() == original
+    controller.stop()
+    assert board.snapshot() == original and saved.load() is None
+
+    # A damaged copy: the same.
+    (tmp_path / "saved.json").write_text('{"snapshot": ')
+    controller = Controller(board, PowerPolicy(), saved=saved)
+    controller.start()
+    assert saved.load() == original
+    controller.stop()
