@@ -315,13 +315,7 @@ class PowerService:
             except queue.Empty:
                 call = None
             if call is not None:
-                function, future = call
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(function())
-                    except BaseException as exc:  # noqa: BLE001 - the caller gets it
-                        future.set_exception(exc)
-                self._after_step(controller)
+                self._run_call(controller, *call)
                 continue
             if self._stopping.is_set():
                 break
@@ -334,6 +328,27 @@ class PowerService:
             if now >= next_telemetry:
                 self._read_telemetry(board, controller)
                 next_telemetry = now + self.config.telemetry_period_s
+
+    def _run_call(self, controller: PowerController, function: Callable[[], Any],
+                  future: concurrent.futures.Future[Any]) -> None:
+        """One call from the loop. The status is taken before the caller is answered, so that
+        what it reports next (a wake's answer: the state) is the state the call left."""
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = function()
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it
+            try:
+                self._after_step(controller)
+            finally:
+                future.set_exception(exc)
+            return
+        try:
+            self._after_step(controller)
+        except BaseException:  # the call's caller is answered, then the thread fails
+            future.set_result(result)
+            raise
+        future.set_result(result)
 
     def _load(self, now: float) -> LoadSample:
         snapshots = [batcher.load() for batcher in self._serving]

@@ -1,0 +1,109 @@
+"""The fleet's power documents over the real board layer and controller (a fake board tree from
+power/sim/tree.py), probing what an operator's fleet tooling sends: a ``desired.power`` profile
+while the board sleeps, a partial document after another, and ``power.wake`` to a sleeping
+board. The control plane is test_fleet_device's (its outbox, no broker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.config import PowerConfig
+from agent.fleet import documents as docs
+from agent.power.service import PowerService
+from power.sim.tree import FakeTree
+from tests.power_boards import fake_board
+from tests.test_fleet_device import KEY, Plane, command, desired, run
+
+pytest.importorskip("jsonschema")
+
+
+def gpu_limits(tree: FakeTree) -> tuple[int, int]:
+    return (int(tree.get(f"{tree.gpu_freq_dir}/min_freq")),
+            int(tree.get(f"{tree.gpu_freq_dir}/max_freq")))
+
+
+class RealGoverned:
+    """The power service on the real Board and Controller over a fake tree, sleeping soon."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tree = fake_board(tmp_path)
+        self.original = gpu_limits(self.tree)
+        self.service = PowerService(
+            PowerConfig(enabled=True, root=self.tree.root, idle_after_s=0.05,
+                        sleep_after_s=0.1, control_period_s=0.01, telemetry_period_s=0.05),
+            tmp_path / "state", batchers=lambda: [])
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> PowerService:
+        self.task = asyncio.ensure_future(self.service.run())
+        deadline = time.monotonic() + 20
+        while self.service.status()["state"] != "sleeping":
+            assert time.monotonic() < deadline, "the board never slept"
+            assert not self.task.done(), self.task
+            await asyncio.sleep(0.01)
+        return self.service
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+def test_a_desired_profile_while_the_board_sleeps_is_applied_not_refused(tmp_path: Path) -> None:
+    governed = RealGoverned(tmp_path)
+    table = governed.tree.board.gpu_hz
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        async with governed as power, Plane(tmp_path) as plane:
+            plane.device.power = power
+            await plane.send("desired", docs.sign(desired(2, model_version=None,
+                                                          power={"profile": "max"}), KEY))
+            await plane.settled()
+            seen["events"] = [(event.type, event.detail) for event in plane.events()]
+            seen["status"] = power.status()
+            seen["limits"] = gpu_limits(governed.tree)
+            # A later document with other keys: the policy is the configuration's with these
+            # (the profile back to governed), as docs/power.md says.
+            await plane.send("desired", docs.sign(desired(3, model_version=None,
+                                                          power={"latency_target_s": 0.02}),
+                                                  KEY))
+            await plane.settled()
+            seen["later"] = power.status()["policy"]
+
+    run(scenario)
+    assert "desired.refused" not in [kind for kind, _ in seen["events"]], seen["events"]
+    assert seen["status"]["policy"]["profile"] == "max"
+    assert seen["status"]["controller"]["state"] == "active"
+    assert seen["limits"] == (table[-1], table[-1])
+    assert seen["later"]["profile"] == "governed" and seen["later"]["latency_target_s"] == 0.02
+    assert gpu_limits(governed.tree) == governed.original  # the stop restored the board
+
+
+def test_power_wake_to_a_sleeping_board_raises_it_and_reports(tmp_path: Path) -> None:
+    governed = RealGoverned(tmp_path)
+    table = governed.tree.board.gpu_hz
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        async with governed as power, Plane(tmp_path) as plane:
+            plane.device.power = power
+            seen["asleep"] = gpu_limits(governed.tree)
+            payload = command("w1", "power.wake", key=None, expires_at=None)
+            ((_, response),) = plane.responses(await plane.send("cmd", payload))
+            seen["response"] = response
+            seen["limits"] = gpu_limits(governed.tree)
+
+    run(scenario)
+    response = seen["response"]
+    assert seen["asleep"][1] == table[0]
+    assert response.ok and response.result["wake_s"] >= 0
+    assert response.result["power"]["state"] == "active"
+    assert seen["limits"][1] > table[0]  # raised before the answer
+    json.dumps(response.result)  # JSON-able as it goes out
