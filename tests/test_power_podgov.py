@@ -3,6 +3,8 @@ behave."""
 
 from __future__ import annotations
 
+import itertools
+
 from power.sim.cpugov import Schedutil
 from power.sim.podgov import Podgov, PodgovTunables
 
@@ -50,7 +52,7 @@ def test_changes_are_at_least_one_block_window_apart() -> None:
         if new != freq:
             change_times.append(now)
         freq = new
-    gaps = [b - a for a, b in zip(change_times, change_times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(change_times)]
     assert change_times and all(gap >= PodgovTunables().block_window_s - 1e-9 for gap in gaps)
 
 

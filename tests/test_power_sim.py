@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,7 +13,13 @@ from power.sim.baselines import MaxClocks, StockGovernors
 from power.sim.board import SimBoard
 from power.sim.calibration import calibrate
 from power.sim.kernel import FakeKernel
-from power.sim.physics import LatencyNoise, PowerInputs, compute_s, physics_for, power_mw
+from power.sim.physics import (
+    LatencyNoise,
+    PowerInputs,
+    compute_s,
+    physics_for,
+    power_mw,
+)
 from power.sim.serving import ServingConfig, run_serving
 from power.sim.traces import Trace, bursty, daily, periodic, saturated
 from power.types import Completion, LoadSample
@@ -46,8 +53,8 @@ def test_power_rises_with_clocks_and_load_and_gating_saves_the_gpu() -> None:
     tables = {"cpu_table_khz": (115200, TOP_CPU), "gpu_table_hz": (306000000, TOP_GPU)}
 
     def total(**changes: object) -> float:
-        inputs = dict(cpu_khz=(729600,) * 6, cpu_busy=(0.01,) * 6, gpu_hz=306000000,
-                      gpu_load=0.0, gpu_on=True, emc_hz=2133000000)
+        inputs = {"cpu_khz": (729600,) * 6, "cpu_busy": (0.01,) * 6, "gpu_hz": 306000000,
+                      "gpu_load": 0.0, "gpu_on": True, "emc_hz": 2133000000}
         inputs.update(changes)
         return power_mw(physics, PowerInputs(**inputs), **tables).total_mw  # type: ignore[arg-type]
 
@@ -73,7 +80,7 @@ def test_noise_is_deterministic_time_correlated_and_clustered() -> None:
     assert len(set(first)) > 1000
     # Neighbouring batches are alike (AR(1)): the lag-1 correlation of the log factors is high.
     mean = sum(first) / len(first)
-    num = sum((a - mean) * (b - mean) for a, b in zip(first, first[1:]))
+    num = sum((a - mean) * (b - mean) for a, b in itertools.pairwise(first))
     den = sum((a - mean) ** 2 for a in first)
     assert num / den > 0.5
     # Misses cluster: P(next | this) at a 0.1 % threshold is far above 0.1 %.
@@ -81,7 +88,7 @@ def test_noise_is_deterministic_time_correlated_and_clustered() -> None:
     factors = [noise.factor(0.2 * i) for i in range(300000)]
     threshold = sorted(factors)[int(0.999 * len(factors))]
     misses = [factor > threshold for factor in factors]
-    pairs = sum(1 for a, b in zip(misses, misses[1:]) if a and b)
+    pairs = sum(1 for a, b in itertools.pairwise(misses) if a and b)
     assert pairs / sum(misses) > 0.1
 
 

@@ -105,7 +105,12 @@ def register_serve(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from agent.tooling.bench_serve import ServeBenchOptions, format_summary, parse_levels, run_bench
+    from agent.tooling.bench_serve import (
+        ServeBenchOptions,
+        format_summary,
+        parse_levels,
+        run_bench,
+    )
 
     options = ServeBenchOptions(
         bundle=args.bundle, public_keys=tuple(args.pubkey), config=args.config,
@@ -159,7 +164,11 @@ def register_swap(kinds: argparse._SubParsersAction) -> None:
 def run_swap(args: argparse.Namespace) -> int:
     require("onnxruntime", extra="device", purpose="edge-agent bench swap")
     require("httptools", extra="device", purpose="edge-agent bench swap")
-    from agent.tooling.swapbench.bench import SwapBenchOptions, format_summary, run_bench
+    from agent.tooling.swapbench.bench import (
+        SwapBenchOptions,
+        format_summary,
+        run_bench,
+    )
 
     options = SwapBenchOptions(
         swaps=args.swaps, soak_swaps=args.soak, soak_warmup_swaps=args.soak_warmup,
@@ -210,7 +219,11 @@ def register_fleet(kinds: argparse._SubParsersAction) -> None:
 def run_fleet(args: argparse.Namespace) -> int:
     require("onnxruntime", extra="device", purpose="edge-agent bench fleet")
     require("paho.mqtt", extra="device", purpose="edge-agent bench fleet")
-    from agent.tooling.fleetbench.bench import FleetBenchOptions, format_summary, run_bench
+    from agent.tooling.fleetbench.bench import (
+        FleetBenchOptions,
+        format_summary,
+        run_bench,
+    )
 
     options = FleetBenchOptions(agents=args.agents, processes=args.processes, canary=args.canary,
                                 phase_timeout_s=args.phase_timeout,
@@ -257,7 +270,11 @@ def register_power(kinds: argparse._SubParsersAction) -> None:
 def run_power(args: argparse.Namespace) -> int:
     from agent.tooling.powerbench.plot import write_plot
     from agent.tooling.powerbench.report import check_targets, format_summary
-    from agent.tooling.powerbench.runner import PowerBenchOptions, parse_traces, run_bench
+    from agent.tooling.powerbench.runner import (
+        PowerBenchOptions,
+        parse_traces,
+        run_bench,
+    )
 
     check_json_path(args.json)
     plot = args.plot if args.plot is not None else (

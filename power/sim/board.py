@@ -218,8 +218,7 @@ class SimBoard:
         low = self._read_int(f"{directory}/{low_name}", table[0])
         high = self._read_int(f"{directory}/{high_name}", table[-1])
         low, high = max(low, table[0]), min(high, table[-1]) if high > 0 else table[-1]
-        if low > high:  # r35+: the max wins
-            low = high
+        low = min(low, high)
         return low, high
 
     # -- what the governors and limits ask for ----------------------------------------------
@@ -478,7 +477,7 @@ class SimBoard:
         gpu = self.gpu_paths
         self._show_clocks()
         if os.path.exists(self.root / gpu.device_dir / "load"):
-            self._write(f"{gpu.device_dir}/load", int(round(1000 * min(1.0, load))))
+            self._write(f"{gpu.device_dir}/load", round(1000 * min(1.0, load)))
         status = f"{gpu.device_dir}/power/runtime_status"
         if os.path.exists(self.root / status):
             self._write(status, "active" if self.gpu_on else "suspended")
@@ -487,7 +486,7 @@ class SimBoard:
             self._write(f"{emc.path}/rate", self.emc.current)
         self._write_rails(avg_mw)
         for path, _ in self._zone_files:
-            self._write(path, 100 * int(round(self.temp_c * 10)))
+            self._write(path, 100 * round(self.temp_c * 10))
         if self.timeline is not None:
             self.timeline.append(TimelinePoint(
                 time_s=self.now_s, gpu_hz=self.gpu.current, cpu_khz=self.cpus[0].current,
@@ -513,7 +512,7 @@ class SimBoard:
                 continue
             self._write(f"{monitor}/in{channel}_input", VDD_IN_MV)
             self._write(f"{monitor}/curr{channel}_input",
-                        int(round(by_label[label] * 1000 / VDD_IN_MV)))
+                        round(by_label[label] * 1000 / VDD_IN_MV))
 
 
 __all__ = ["SimBoard", "TimelinePoint"]

@@ -15,6 +15,7 @@ physics for are listed as not reproduced.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import tempfile
 from dataclasses import dataclass
@@ -191,7 +192,7 @@ def _miss_clustering(physics: BoardPhysics, *, samples: int, seed: int) -> float
     factors = [noise.factor(index * 0.2) for index in range(samples)]
     threshold = sorted(factors)[int(0.999 * samples)]
     misses = [factor > threshold for factor in factors]
-    pairs = sum(1 for a, b in zip(misses, misses[1:]) if a and b)
+    pairs = sum(1 for a, b in itertools.pairwise(misses) if a and b)
     return pairs / max(1, sum(misses[:-1]))
 
 

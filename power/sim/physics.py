@@ -30,6 +30,7 @@ gated, an nvpmodel mode with fewer cores).
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ class BoardPhysics:
         points = sorted(self.emc_memory_factor)
         if emc_hz <= points[0][0]:
             return points[0][1]
-        for (low_hz, low), (high_hz, high) in zip(points, points[1:]):
+        for (low_hz, low), (high_hz, high) in itertools.pairwise(points):
             if emc_hz <= high_hz:
                 share = (1 / low_hz - 1 / emc_hz) / (1 / low_hz - 1 / high_hz)
                 return low + (high - low) * share

@@ -80,9 +80,9 @@ def format_traces(summary: dict[str, Any]) -> list[str]:
              "target)"
              + ("" if summary.get("max_keeps_rail_on", True)
                 else "; max clocks' GPU rail allowed to gate"),
-             f"{'trace':<10}{'strategy':<9}{'req':>6}{'mJ/inf':>9}{'avg W':>7}{'p50 ms':>8}"
+             (f"{'trace':<10}{'strategy':<9}{'req':>6}{'mJ/inf':>9}{'avg W':>7}{'p50 ms':>8}"
              f"{'p99 ms':>8}{'in SLO':>8}{'run':>5}{'chg/s':>7}{'wake ms':>9}{'sleep W':>8}"
-             f"{'vs max':>8}{'vs stock':>9}"]
+             f"{'vs max':>8}{'vs stock':>9}")]
 
     def saving(entry: dict[str, Any], other: dict[str, Any] | None) -> float | None:
         if other is None or not other.get("energy_per_inference_mj") or \
@@ -124,8 +124,8 @@ def format_targets(summary: dict[str, Any]) -> list[str]:
 
 
 def format_calibration(calibration: dict[str, Any]) -> list[str]:
-    lines = [f"calibration of the simulator ({calibration['board']}) against the published "
-             "anchors (fit: used to set the parameters; check: not)",
+    lines = [(f"calibration of the simulator ({calibration['board']}) against the published "
+             "anchors (fit: used to set the parameters; check: not)"),
              f"{'category':<9}{'role':<10}{'reference':>17}{'simulated':>11}{'error':>8}  anchor"]
     for row in calibration["rows"]:
         low, high = row["reference"]

@@ -253,7 +253,7 @@ def static_ceiling(trace: Trace, options: PowerBenchOptions, max_figures: dict[s
 
 
 def _percentile(ordered: list[float], share: float) -> float:
-    index = min(len(ordered) - 1, max(0, int(round(share * len(ordered) + 0.5)) - 1))
+    index = min(len(ordered) - 1, max(0, round(share * len(ordered) + 0.5) - 1))
     return ordered[index]
 
 
