@@ -265,3 +265,26 @@ def test_many_first_requests_after_sleep_wake_the_board_once(
     assert seen["asleep"] == (table[0], table[0])
     assert wake_count(seen["metrics"], "request") == 1
     assert "edge_agent_power_wake_timeouts_total 0.0" in seen["metrics"]
+
+
+def test_a_trace_faster_than_the_daemons_telemetry_says_rows_repeat(
+        installed: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    """From a daemon a trace's rows are the daemon's latest reading (every telemetry_period_s,
+    0.05 s here): a finer --interval repeated readings without a word."""
+    config = installed["config"]
+    daemon = Daemon(config)
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        await until(lambda: daemon.power is not None and daemon.power.status()["running"])
+
+        def cli() -> None:
+            seen["rc"] = main(["power", "trace", "--state-dir", str(config.state_dir),
+                               "--duration", "0.1", "--interval", "0.02", "--out",
+                               str(config.state_dir / "fast.csv")])
+            seen["err"] = capsys.readouterr().err
+        await asyncio.get_running_loop().run_in_executor(None, cli)
+
+    run_foreground(daemon, session=session)
+    assert seen["rc"] == 0
+    assert "telemetry every 0.05 s" in seen["err"] and "repeat" in seen["err"], seen["err"]

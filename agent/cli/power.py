@@ -82,9 +82,13 @@ class Source:
         self.client = ControlClient(socket_path(args), connect_timeout_s=2.0)
         self.board: Any = None
         self.where = ""
+        self.telemetry_period_s: float | None = None  # a daemon's; None on the board's files
         try:
-            self.client.call(POWER_STATUS, timeout_s=5.0)
+            status = self.client.call(POWER_STATUS, timeout_s=5.0)
             self.where = f"daemon (control socket {self.client.socket_path})"
+            period_s = status.get("telemetry_period_s") if isinstance(status, dict) else None
+            if isinstance(period_s, (int, float)):
+                self.telemetry_period_s = float(period_s)
         except (CommandError, ControlError) as exc:
             # No daemon, or one that does not govern power (no power.* commands): the board's
             # files, read-only.
@@ -256,6 +260,10 @@ def run_trace(args: argparse.Namespace) -> int:
         source = Source(args)
         print(f"tracing from the {source.where} for {args.duration:g} s every "
               f"{args.interval:g} s", file=sys.stderr)
+        period_s = source.telemetry_period_s
+        if period_s is not None and args.interval < period_s:
+            print(f"note: the daemon reads telemetry every {period_s:g} s ([power] "
+                  "telemetry_period_s): rows closer than that repeat a reading", file=sys.stderr)
         writer: csv.DictWriter[str] | None = None
         started = time.monotonic()
         next_at = started

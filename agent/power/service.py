@@ -573,6 +573,7 @@ class PowerService:
             "wakes": self._wakes,
             "last_wake_s": self._last_wake_s,
             "restored_at_start": self._restored_at_start,
+            "telemetry_period_s": self.config.telemetry_period_s,
             "telemetry": None if telemetry is None else telemetry_to_json(telemetry),
         }
 
