@@ -394,17 +394,22 @@ def test_a_killed_daemons_next_start_restores_the_board(installed: dict[str, Any
         f'[trust]\npublic_keys = ["{config.trust.public_keys[0]}"]\n'
         f'[power]\nenabled = true\nroot = "{tree.root}"\nidle_after_s = 0.05\n'
         "sleep_after_s = 0.1\ncontrol_period_s = 0.01\ntelemetry_period_s = 0.05\n")
-    process = subprocess.Popen([sys.executable, "-m", "agent", "serve", "--config",
-                                str(config_file)], env={**os.environ, "PYTHONPATH": os.getcwd()},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # The daemon's log goes to a file, not a pipe nobody reads while it runs: a full pipe
+    # would block the daemon's logging (and with it the loop and the power thread).
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "agent", "serve", "--config",
+                                    str(config_file)],
+                                   env={**os.environ, "PYTHONPATH": os.getcwd()},
+                                   stdout=subprocess.DEVNULL, stderr=log_file)
     try:
         client = ControlClient(config.state_dir / SOCKET_NAME, connect_timeout_s=1.0)
         deadline = time.monotonic() + 60
         state = None
         while state != "sleeping":
-            assert process.poll() is None, process.stderr.read().decode()[-2000:] \
-                if process.stderr else "the daemon exited"
-            assert time.monotonic() < deadline, "the daemon's board never slept"
+            assert process.poll() is None, log_path.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the daemon's board never slept: " + \
+                log_path.read_text()[-2000:]
             try:
                 state = client.call("power.status", timeout_s=5.0)["state"]
             except Exception:  # noqa: BLE001 - not serving yet
@@ -415,8 +420,6 @@ def test_a_killed_daemons_next_start_restores_the_board(installed: dict[str, Any
         if process.poll() is None:
             process.kill()
             process.wait(timeout=30)
-        if process.stderr is not None:
-            process.stderr.close()
     assert {path: tree.get(path) for path in board_files} != original  # left governed
     assert (config.state_dir / "power" / "saved.json").exists()
 
