@@ -233,8 +233,8 @@ class PowerMetrics(Collector):
         yield state
         yield CounterMetricFamily("edge_agent_power_decisions", "Operating point changes the "
                                   "governor made", value=view.get("decisions", 0))
-        yield CounterMetricFamily("edge_agent_power_wakes", "Wakes of the board, by what "
-                                  "asked", value=view.get("wakes", 0))
+        yield CounterMetricFamily("edge_agent_power_wakes", "Wakes of the board (by what "
+                                  "asked: the wake duration histogram's trigger)", value=view.get("wakes", 0))
         yield CounterMetricFamily("edge_agent_power_wake_timeouts", "Requests dispatched "
                                   "without waiting longer for a wake that did not finish",
                                   value=view.get("wake_timeouts", 0))

@@ -545,5 +545,9 @@ def test_a_failing_governor_is_a_failed_task_the_board_is_restored_and_serving_g
     run_foreground(daemon, session=session)
     assert made[0].stopped and seen["limits"] == original
     assert 'edge_agent_task_up{task="power"} 0.0' in seen["metrics"]
+    # No stale readings or state from the governor that stopped: the board is restored.
+    assert 'edge_agent_power_frequency_hertz{' not in seen["metrics"]
+    assert '} 1.0' not in "\n".join(line for line in seen["metrics"].splitlines()
+                                    if line.startswith("edge_agent_power_state{"))
     failed = [task for task in daemon.supervisor.status() if task.name == "power"]
     assert failed[0].error is not None and "Input/output error" in failed[0].error

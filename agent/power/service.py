@@ -591,12 +591,15 @@ class PowerService:
         }
 
     def metrics_view(self) -> dict[str, Any]:
-        return {"state": self._status.get("state"),
+        # Once the governor has stopped (failed, or the daemon stopping) its last state and
+        # reading are no longer the board's: the counters stay, the gauges go.
+        running = self._running
+        return {"state": self._status.get("state") if running else None,
                 "states": [state.value for state in PowerState],
                 "decisions": self._decisions, "wakes": self._wakes,
                 "wake_timeouts": sum(getattr(batcher, "wake_timeouts", 0)
                                      for batcher in self._batchers()),
-                "telemetry": self._telemetry}
+                "telemetry": self._telemetry if running else None}
 
 
 def telemetry_to_json(telemetry: Telemetry) -> dict[str, Any]:
