@@ -107,3 +107,39 @@ def test_power_wake_to_a_sleeping_board_raises_it_and_reports(tmp_path: Path) ->
     assert response.result["power"]["state"] == "active"
     assert seen["limits"][1] > table[0]  # raised before the answer
     json.dumps(response.result)  # JSON-able as it goes out
+
+
+def test_reported_power_says_when_the_governor_has_stopped(tmp_path: Path) -> None:
+    """A governor whose thread failed: ``reported.power`` said the last state it had (say
+    ``active``) as if it still governed; it now says it does not run, with no state."""
+    from agent.power.service import PowerParts
+    from tests.power_daemon_doubles import StrictController, TreeBoard
+
+    class Failing(StrictController):
+        def step(self, load: Any, completions: Any) -> None:
+            super().step(load, completions)
+            if self.steps == 3:
+                raise OSError(5, "Input/output error", "min_freq")
+
+    tree = fake_board(tmp_path)
+    service = PowerService(
+        PowerConfig(enabled=True, root=tree.root, control_period_s=0.01,
+                    telemetry_period_s=0.05),
+        tmp_path / "state", batchers=lambda: [],
+        parts=PowerParts(open_board=lambda config: TreeBoard(tree),
+                         make_controller=lambda board, policy, saved, config: Failing(
+                             board, policy, saved)))
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(service.run())
+        while not service.status()["running"]:
+            await asyncio.sleep(0.01)
+        seen["running"] = service.reported()
+        await asyncio.gather(task, return_exceptions=True)
+        seen["stopped"] = service.reported()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert seen["running"]["running"] is True and seen["running"]["state"] == "active"
+    assert seen["stopped"]["running"] is False and seen["stopped"]["state"] is None
+    assert seen["stopped"]["power_mw"] is None

@@ -578,14 +578,18 @@ class PowerService:
         }
 
     def reported(self) -> dict[str, Any]:
-        """``reported.power``: state, point, power and the hottest temperature."""
-        telemetry = self._telemetry
+        """``reported.power``: whether the governor runs, its state, the point in force, power
+        and the hottest temperature (no state, point or readings once it has stopped: the
+        board is back on its own settings)."""
+        running = self._running
+        telemetry = self._telemetry if running else None
         temps = [zone.temp_c for zone in (telemetry.thermal if telemetry else ())
                  if zone.temp_c is not None]
         return {
-            "state": self._status.get("state"),
+            "running": running,
+            "state": self._status.get("state") if running else None,
             "profile": self._policy.profile,
-            "point": self._status.get("point"),
+            "point": self._status.get("point") if running else None,
             "power_mw": telemetry.total_power_mw if telemetry else None,
             "temperature_c": max(temps) if temps else None,
         }
