@@ -288,3 +288,62 @@ def test_a_trace_faster_than_the_daemons_telemetry_says_rows_repeat(
     run_foreground(daemon, session=session)
     assert seen["rc"] == 0
     assert "telemetry every 0.05 s" in seen["err"] and "repeat" in seen["err"], seen["err"]
+
+
+def test_a_board_write_that_hangs_holds_a_request_at_most_the_wake_bound(
+        installed: dict[str, Any]) -> None:  # noqa: F811
+    """A sysfs write that never returns during a wake (a wedged BPMP): the first request
+    waits ``wake_timeout_s`` and is served; the status still answers; the requests after it
+    are not held; the stop leaves the saved limits for the next start (the thread could not
+    restore them)."""
+    import dataclasses
+    import threading
+
+    from agent.power.service import PowerParts
+    from tests.power_daemon_doubles import StrictController, TreeBoard
+    from tests.test_power_daemon import infer
+
+    release = threading.Event()
+
+    class WedgedOnWake(TreeBoard):
+        def apply(self, point: Any) -> Any:
+            if wedged.is_set():
+                release.wait(60)  # the test releases it at the end
+            return super().apply(point)
+
+    wedged = threading.Event()
+    tree: FakeTree = installed["tree"]
+    made: list[StrictController] = []
+
+    def make_controller(board: Any, policy: Any, saved: Any, config: Any) -> Any:
+        made.append(StrictController(board, policy, saved))
+        return made[-1]
+
+    config = installed["config"]
+    config = dataclasses.replace(config, power=dataclasses.replace(config.power,
+                                                                    wake_timeout_s=0.2))
+    daemon = Daemon(config, power_parts=PowerParts(open_board=lambda c: WedgedOnWake(tree),
+                                                   make_controller=make_controller))
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        loop = asyncio.get_running_loop()
+        await until(lambda: daemon.power is not None
+                    and daemon.power.status()["state"] == "sleeping")
+        wedged.set()
+        started = time.monotonic()
+        await loop.run_in_executor(None, infer, port)
+        seen["first_s"] = time.monotonic() - started
+        seen["status"] = daemon.power.status() if daemon.power else None
+        await loop.run_in_executor(None, infer, port)
+        seen["timeouts"] = [model.batcher.wake_timeouts for model in daemon.services.values()]
+
+    try:
+        run_foreground(daemon, session=session)  # its stop waits 10 s for the thread
+        # Looked at before the write is released (the thread would then restore the board).
+        assert (config.state_dir / "power" / "saved.json").exists()
+    finally:
+        release.set()
+    assert seen["first_s"] < 10  # held by the 0.2 s bound, not by the wedged write
+    assert seen["status"]["running"] is True
+    assert seen["timeouts"] == [1]
