@@ -143,3 +143,54 @@ def test_reported_power_says_when_the_governor_has_stopped(tmp_path: Path) -> No
     assert seen["running"]["running"] is True and seen["running"]["state"] == "active"
     assert seen["stopped"]["running"] is False and seen["stopped"]["state"] is None
     assert seen["stopped"]["power_mw"] is None
+
+
+def test_a_reload_keeps_the_fleets_desired_power_over_the_new_configuration(
+        tmp_path: Path) -> None:
+    """desired.power {"profile": "max"}, then SIGHUP with an edited [power] (another key): the
+    device took the file's policy whole and dropped the fleet's profile, while its desired
+    status still said converged. Now the desired keys stay over the reloaded section."""
+    import dataclasses
+
+    from agent.power.service import PowerParts
+    from tests.power_daemon_doubles import StrictController, TreeBoard
+
+    tree = fake_board(tmp_path)
+    controllers: list[StrictController] = []
+
+    def make_controller(board: Any, policy: Any, saved: Any, config: Any) -> Any:
+        controllers.append(StrictController(board, policy, saved))
+        return controllers[-1]
+
+    configured = PowerConfig(enabled=True, root=tree.root, idle_after_s=30.0, sleep_after_s=60.0)
+    service = PowerService(configured, tmp_path / "state", batchers=lambda: [],
+                           parts=PowerParts(open_board=lambda config: TreeBoard(tree),
+                                            make_controller=make_controller))
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(service.run())
+        try:
+            while not service.status()["running"]:
+                await asyncio.sleep(0.01)
+            async with Plane(tmp_path) as plane:
+                plane.device.power = service
+                await plane.send("desired", docs.sign(desired(2, model_version=None,
+                                                              power={"profile": "max"}), KEY))
+                await plane.settled()
+                service.reload(dataclasses.replace(configured, thermal_margin_c=9.0))
+                deadline = time.monotonic() + 20
+                while controllers[0].policy.thermal_margin_c != 9.0:
+                    assert time.monotonic() < deadline, "the reload never reached the governor"
+                    await asyncio.sleep(0.01)
+                while service.status()["policy"]["thermal_margin_c"] != 9.0:
+                    await asyncio.sleep(0.01)
+                seen["policy"] = service.status()["policy"]
+                seen["controller"] = controllers[0].policy
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    run(scenario)
+    assert seen["policy"]["profile"] == "max" and seen["policy"]["thermal_margin_c"] == 9.0
+    assert seen["controller"].profile == "max"

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.config import PowerConfig
-from agent.errors import AgentError, InternalError, PowerError, first_line
+from agent.errors import AgentError, ConfigError, InternalError, PowerError, first_line
 from agent.metrics import PowerMetrics
 from agent.observers import RequestDone, ServingObserver
 from agent.power.policy import POLICY_KEYS, policy_from_config, policy_to_json, with_changes
@@ -186,6 +186,9 @@ class PowerService:
         self._controller: PowerController | None = None
         self._serving: list[Any] = []
         self._in_force = config  # the section with the policy in force (set, desired)
+        # The run-time changes in force over the configured section (desired.power's keys,
+        # then power set's): a reload of [power] keeps them over the new section.
+        self._overrides: dict[str, Any] = {}
         self._policy = policy_from_config(config)
         self._reloads: set[asyncio.Task[None]] = set()
         self._completions = _Completions()
@@ -527,6 +530,10 @@ class PowerService:
         # Else not started yet (a stored desired document converged to at start): the
         # controller is made with it.
         self._in_force, self._policy = changed, policy
+        # On a base (desired.power over the configured section) these are all the changes;
+        # else (power set) they add to those in force.
+        self._overrides = dict(changes) if base is not None else {**self._overrides,
+                                                                   **changes}
         return policy
 
     def _controller_set_policy(self, policy: PowerPolicy) -> None:
@@ -540,10 +547,21 @@ class PowerService:
         controller.set_policy(policy)
 
     def reload(self, config: PowerConfig) -> None:
-        """SIGHUP: the policy keys of a new ``[power]`` take effect (others need a restart)."""
+        """SIGHUP: the policy keys of a new ``[power]`` take effect (others need a restart),
+        under the run-time changes in force (desired.power, power set), which stay unless
+        they no longer fit the new section."""
         self.config = dataclasses.replace(self.config, **{name: getattr(config, name)
                                                          for name in POLICY_KEYS})
-        reloaded, policy = self.config, policy_from_config(self.config)
+        reloaded = self.config
+        if self._overrides:
+            try:
+                reloaded = with_changes(self.config, self._overrides)
+            except ConfigError as exc:
+                log.warning("the run-time power policy changes (%s) do not fit the reloaded "
+                            "[power] and are dropped: %s", ", ".join(sorted(self._overrides)),
+                            exc)
+                self._overrides = {}
+        policy = policy_from_config(reloaded)
         if not (self._running and self._loop is not None):
             self._in_force, self._policy = reloaded, policy
             return
