@@ -16,7 +16,8 @@ simulator's serving loop call:
   the hook must be called. Clocks are parked (lowest, rail-gating allowed) in ``idle`` and
   ``sleeping``, and inside ``active`` after a quiet moment longer than a few of the stream's own
   gaps (race to idle between bursts; a steady stream is never parked between its requests).
-* :meth:`~Controller.stop` restores the snapshot and forgets the saved copy.
+* :meth:`~Controller.stop` restores the snapshot and forgets the saved copy (kept when the
+  restore was not complete, for the next start to try again).
 
 Profiles: ``governed`` (the governor), ``max``/``min`` (the top or bottom point pinned) and
 ``stock`` (the board's own governors: the snapshot restored and nothing written after).
@@ -200,17 +201,22 @@ class Controller:
         return left_over
 
     def stop(self) -> ApplyResult | None:
-        """Put the board's original limits back and forget the saved copy."""
+        """Put the board's original limits back and forget the saved copy, unless the restore
+        was not complete (a limit read back different, or a control skipped): the copy then
+        stays, so that the next start tries again."""
         if not self._started:
             return None
         self._started = False
         result = None
         if self._snapshot is not None:
             result = self.board.restore(self._snapshot)
-            if not result.ok:
-                log.warning("restoring the board left %d limit(s) different: %s",
-                            len(result.mismatches), ", ".join(m.path for m in result.mismatches))
-        self._saved.clear()
+        if result is not None and (result.mismatches or result.unsupported):
+            left = [f"{m.path} wanted {m.wanted} found {m.found}" for m in result.mismatches]
+            left += list(result.unsupported)
+            log.warning("restoring the board left %d limit(s) not put back (%s); the saved copy "
+                        "is kept for the next start", len(left), "; ".join(left[:5]))
+        else:
+            self._saved.clear()
         if self._engine_released and self._on_engine is not None:
             self._on_engine(True)
             self._engine_released = False
@@ -234,6 +240,7 @@ class Controller:
     def _enter_profile(self, now_s: float) -> None:
         governor = self._require_governor()
         profile = self.policy.profile
+        mode = self._leave_rest(now_s)
         self._stock = profile == "stock"
         if self._stock:
             if self._snapshot is not None:
@@ -241,9 +248,24 @@ class Controller:
             self._point, self._key = None, None
             return
         key = governor.bottom if profile == "min" else governor.top
-        self._apply(key, now_s, reason=f"profile {profile}")
+        self._apply(key, now_s, reason=f"profile {profile}", nvpmodel_mode=mode)
         governor.placed(key, now_s)
+
+    def _leave_rest(self, now_s: float) -> int | None:
+        """Back to ``active`` for a profile change, along the transition table (``sleeping``
+        goes through ``waking``), with the engine back if sleep released it. Returns the
+        nvpmodel mode sleep left, to be put back (None: none was changed)."""
+        if self.state is PowerState.SLEEPING:
+            self._set_state(PowerState.WAKING, now_s)
+            if self._engine_released and self._on_engine is not None:
+                self._on_engine(True)
+                self._engine_released = False
         self._set_state(PowerState.ACTIVE, now_s)
+        mode, self._mode_before_sleep = self._mode_before_sleep, None
+        self._idle_since_s = None
+        self._parked = False
+        self._after_first_key = None
+        return mode
 
     # -- the step ----------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from power.types import (
-    ApplyResult, ClockTable, Completion, LoadSample, OperatingPoint, Telemetry, ThermalZone,
+    ApplyResult, ClockTable, Completion, LoadSample, Mismatch, OperatingPoint, Telemetry,
+    ThermalZone,
 )
 
 ORIN_NANO_TABLE = ClockTable(
@@ -54,6 +55,9 @@ class StrictBoard:
     trips_c: tuple[tuple[str, float], ...] = (("passive", 95.0), ("critical", 105.0))
     power_mw: int = 6000
     clock: Callable[[], float] | None = None
+    # What a restore cannot put back (a limit's file gone): read back different, or skipped.
+    restore_mismatches: tuple[Mismatch, ...] = ()
+    restore_unsupported: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.point = self.original
@@ -119,7 +123,9 @@ class StrictBoard:
         self.point = OperatingPoint(**{name: values.get(name)
                                        for name in OperatingPoint.__dataclass_fields__})
         self.writes.append(("restore", True))
-        return ApplyResult(applied=self.point, writes=len(values))
+        return ApplyResult(applied=self.point, writes=len(values),
+                           mismatches=self.restore_mismatches,
+                           unsupported=self.restore_unsupported)
 
     def capabilities(self) -> dict[str, str | None]:
         return {"gpu": None, "cpu": None, "emc": None, "railgate": None,

@@ -15,7 +15,7 @@ from power.saved import SavedSnapshot
 from power.sim.commands import FakeCommands
 from power.sim.kernel import FakeKernel
 from power.sim.tree import FakeTree
-from power.types import TRANSITIONS, LoadSample, PowerPolicy, PowerState
+from power.types import TRANSITIONS, LoadSample, Mismatch, PowerPolicy, PowerState
 from tests.power_boards import fake_board
 from tests.power_doubles import FakeClock, StrictBoard, serve
 
@@ -276,3 +276,71 @@ def test_a_left_over_copy_this_board_refuses_is_set_aside_and_the_start_goes_on(
     controller.start()
     assert saved.load() == original
     controller.stop()
+
+
+# -- profile changes while asleep, and a stop that could not put everything back -------------
+
+def asleep(policy: PowerPolicy | None = None, **board_options: object
+           ) -> tuple[Controller, StrictBoard, FakeClock, MemoryStore, list[bool]]:
+    clock = FakeClock()
+    board = StrictBoard(clock=clock, **board_options)  # type: ignore[arg-type]
+    store = MemoryStore()
+    engine: list[bool] = []
+    controller = Controller(board, policy or PowerPolicy(
+        idle_after_s=0.2, sleep_after_s=0.5, release_engine_in_sleep=True),
+        clock=clock, saved=store, on_engine=engine.append)
+    controller.start()
+    for _ in range(40):
+        clock.advance(0.05)
+        controller.step(load(clock))
+    assert controller.state is PowerState.SLEEPING and engine == [False]
+    return controller, board, clock, store, engine
+
+
+@pytest.mark.parametrize("profile", ["stock", "max", "min"])
+def test_a_profile_set_while_sleeping_wakes_through_the_transition_table(profile: str) -> None:
+    controller, board, clock, _, engine = asleep()
+    states: list[tuple[PowerState, PowerState]] = []
+    set_state = controller._set_state
+
+    def recording(state: PowerState, now_s: float) -> None:
+        before = controller.state
+        set_state(state, now_s)
+        if controller.state is not before:
+            states.append((before, controller.state))
+
+    controller._set_state = recording  # type: ignore[method-assign]
+    controller.set_policy(PowerPolicy(profile=profile))
+    assert controller.state is PowerState.ACTIVE
+    assert states == [(PowerState.SLEEPING, PowerState.WAKING),
+                      (PowerState.WAKING, PowerState.ACTIVE)]
+    assert engine == [False, True]  # the engine released by sleep is back
+    if profile == "stock":
+        assert board.point == board.original
+        assert not controller.needs_wake()
+    elif profile == "max":
+        assert board.point.gpu_max_hz == board.table.gpu_hz[-1]
+    clock.advance(0.05)
+    controller.step(load(clock, arrivals=1, busy=1))
+    assert controller.state is PowerState.ACTIVE
+
+
+def test_a_stop_whose_restore_left_limits_different_keeps_the_saved_copy(
+        caplog: pytest.LogCaptureFixture) -> None:
+    controller, board, _, store = started(restore_mismatches=(
+        Mismatch(path="gpu/max_freq", wanted=1020000000, found=306000000),))
+    saved = store.snapshot
+    result = controller.stop()
+    assert result is not None and not result.ok
+    assert store.snapshot == saved  # the next start tries again
+    assert "kept for the next start" in caplog.text and "gpu/max_freq" in caplog.text
+
+
+def test_a_stop_whose_restore_skipped_a_control_keeps_the_saved_copy() -> None:
+    controller, _, _, store = started(restore_unsupported=("emc: no debugfs",))
+    saved = store.snapshot
+    controller.stop()
+    assert store.snapshot == saved
+    controller2, _, _, store2 = started()
+    controller2.stop()
+    assert store2.snapshot is None  # a complete restore forgets it
