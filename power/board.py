@@ -103,6 +103,7 @@ class Board:
         self.fan = Fan(root, paths.fan_pwm, paths.fan_tach)
         self.nvpmodel: Nvpmodel | None = None
         self._problems: dict[str, str] = {}
+        self._warned: dict[str, str] = {}  # a limit file's problem, warned about once
         try:
             self.nvpmodel = Nvpmodel(root, runner)
         except OSError:
@@ -434,7 +435,7 @@ class _Step:
         except ValueError as exc:
             # A file that read back as no number (empty mid-update, "<unsupported>"): this value
             # may not be in force, the control may still work next time.
-            log.warning("power control %s: %s did not read as a number: %s", control, path, exc)
+            self._warn_once(control, path, f"did not read as a number: {exc}")
             self.mismatches.extend(recheck() or [Mismatch(path=path, wanted="a write",
                                                           found=None)])
             return
@@ -448,13 +449,23 @@ class _Step:
                 self._degrade(control, _reason(exc, where))
                 return
             # EINVAL and the like: this value was refused, the control still works.
-            log.warning("power control %s: %s refused a write: %s", control, where,
-                        exc.strerror)
+            self._warn_once(control, path, f"{where} refused a write: {exc.strerror}")
             self.mismatches.extend(recheck() or [Mismatch(path=where, wanted="a write",
                                                           found=None)])
             return
         self.writes += writes
         self.mismatches.extend(mismatches)
+        if path in self.board._warned:
+            del self.board._warned[path]
+            log.info("power control %s: %s takes its writes again", control, path)
+
+    def _warn_once(self, control: str, path: str, problem: str) -> None:
+        """Warn about ``path``'s control once per problem, not on every apply (a governor
+        applies several times a second): again only when the problem changes, and
+        :meth:`_run` says once when it is gone."""
+        if self.board._warned.get(path) != problem:
+            self.board._warned[path] = problem
+            log.warning("power control %s: %s (said once until it changes)", control, problem)
 
     def nvpmodel(self, mode_id: int) -> None:
         nvpmodel = self.board.nvpmodel
@@ -476,22 +487,21 @@ class _Step:
             return
         board = self.board
 
-        wanted: list[int] = []
+        wanted: list[int | None] = [new_min, new_max]
 
         def action() -> tuple[int, list[Mismatch]]:
-            cur_min, cur_max = limits.read(board.root)
+            # One limit unreadable (a directory where the file was) must not keep the other
+            # from being set: each is taken as found, or as asked for.
+            cur_min, cur_max = limits.read_known(board.root)
             high = cur_max if new_max is None else new_max
-            low = min(cur_min if new_min is None else new_min, high)
+            low = cur_min if new_min is None else new_min
+            if low is not None and high is not None:
+                low = min(low, high)
             wanted[:] = [low, high]
             return limits.set(board.root, board.writer, low, high)
 
         def recheck() -> list[Mismatch]:
-            if wanted:
-                return limits.check(board.root, *wanted)
-            # The limits could not be read before writing: what was asked for, as found now.
-            return [mismatch for mismatch in limits.check(board.root, new_min or 0, new_max or 0)
-                    if (mismatch.path == limits.min_path and new_min is not None)
-                    or (mismatch.path == limits.max_path and new_max is not None)]
+            return limits.check(board.root, wanted[0], wanted[1])
 
         self._run(control, limits.max_path, action, recheck)
 

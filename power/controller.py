@@ -138,6 +138,7 @@ class Controller:
         self._stock = False
         self._mode_before_sleep: int | None = None
         self._parked = False  # the lowest clocks until the next request (idle, sleep, quiet)
+        self._mismatched: tuple[str, ...] = ()  # the limits the last apply found different
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -453,11 +454,19 @@ class Controller:
         started_cpu = time.process_time()
         result = self.board.apply(point)
         self._board_cpu_s += time.process_time() - started_cpu
-        if not result.ok:
-            log.warning("applying %s (%s): %d limit(s) read back different: %s", point.to_json(),
-                        reason, len(result.mismatches),
-                        ", ".join(f"{m.path} wanted {m.wanted} found {m.found}"
-                                  for m in result.mismatches))
+        paths = tuple(sorted({m.path for m in result.mismatches}))
+        if paths != self._mismatched:
+            # Once per change of which limits do not stick (a broken file would otherwise be
+            # warned about on every apply, several a second under traffic), and once when all
+            # stick again.
+            if paths:
+                log.warning("applying %s (%s): %d limit(s) read back different: %s (said once "
+                            "until it changes)", point.to_json(), reason, len(result.mismatches),
+                            ", ".join(f"{m.path} wanted {m.wanted} found {m.found}"
+                                      for m in result.mismatches))
+            else:
+                log.info("every limit reads back as applied again (%s)", reason)
+            self._mismatched = paths
         self._point = point
         self._key = key
         self._applies.append((now_s, key))

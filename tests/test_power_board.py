@@ -409,3 +409,51 @@ def test_a_governor_step_costs_well_under_the_budget(tmp_path: Path) -> None:
         readings.append(time.perf_counter() - start)
     assert statistics.median(applies) < 0.003
     assert statistics.median(readings) < 0.003
+
+
+# -- one limit file broken, the other fine; a degraded control warns once -------------------
+
+def test_a_gpu_min_freq_replaced_by_a_directory_names_it_and_the_max_is_still_written(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The files themselves (FileWriter): writing to a directory fails with EISDIR, and so does
+    reading it, with no file name from the OS."""
+    import shutil
+
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board = Board.open(tree.root)
+    min_path = tree.root / tree.gpu_freq_dir / "min_freq"
+    min_path.unlink()
+    min_path.mkdir()
+    with caplog.at_level("WARNING", logger="power.board"):
+        result = board.apply(OperatingPoint(gpu_min_hz=306000000, gpu_max_hz=306000000))
+    assert tree.get(f"{tree.gpu_freq_dir}/max_freq") == "306000000"  # written all the same
+    assert [m.path for m in result.mismatches] == [f"{tree.gpu_freq_dir}/min_freq"]
+    assert "min_freq" in caplog.text and "max_freq" not in caplog.text
+    # The other limit moves too: a higher maximum lands, the minimum still reported.
+    result = board.apply(OperatingPoint(gpu_min_hz=612000000, gpu_max_hz=612000000))
+    assert tree.get(f"{tree.gpu_freq_dir}/max_freq") == "612000000"
+    assert [m.path for m in result.mismatches] == [f"{tree.gpu_freq_dir}/min_freq"]
+    shutil.rmtree(min_path)
+
+
+def test_a_broken_limit_warns_once_per_state_change_not_every_apply(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board = Board.open(tree.root)
+    min_path = tree.root / tree.gpu_freq_dir / "min_freq"
+    min_path.unlink()
+    min_path.mkdir()
+    with caplog.at_level("INFO", logger="power.board"):
+        for gpu_hz in (306000000, 612000000, 918000000) * 10:
+            board.apply(OperatingPoint(gpu_min_hz=gpu_hz, gpu_max_hz=gpu_hz))
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    caplog.clear()
+    min_path.rmdir()
+    min_path.write_text("306000000\n")
+    with caplog.at_level("INFO", logger="power.board"):
+        for gpu_hz in (306000000, 612000000) * 5:
+            result = board.apply(OperatingPoint(gpu_min_hz=gpu_hz, gpu_max_hz=gpu_hz))
+    assert result.ok
+    assert [r.levelname for r in caplog.records] == ["INFO"]  # recovered, said once
+    assert "gpu" in caplog.records[0].getMessage()

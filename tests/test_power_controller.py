@@ -344,3 +344,31 @@ def test_a_stop_whose_restore_skipped_a_control_keeps_the_saved_copy() -> None:
     controller2, _, _, store2 = started()
     controller2.stop()
     assert store2.snapshot is None  # a complete restore forgets it
+
+
+def test_a_limit_that_never_sticks_is_warned_about_once_not_every_apply(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board = Board.open(tree.root)  # FileWriter: a directory in a file's place fails EISDIR
+    min_path = tree.root / tree.gpu_freq_dir / "min_freq"
+    min_path.unlink()
+    min_path.mkdir()
+    clock = FakeClock()
+    controller = Controller(board, PowerPolicy(profile="max"), clock=clock)
+    with caplog.at_level("INFO"):
+        controller.start()
+        for profile in ("min", "max") * 5:
+            controller.set_policy(PowerPolicy(profile=profile))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings  # the board layer's and the controller's, once each
+    assert all("min_freq" in message for message in warnings)
+    assert tree.get(f"{tree.gpu_freq_dir}/max_freq") == str(board.clock_table().gpu_hz[-1])
+    caplog.clear()
+    min_path.rmdir()
+    min_path.write_text("306000000\n")
+    with caplog.at_level("INFO"):
+        controller.set_policy(PowerPolicy(profile="min"))
+        controller.set_policy(PowerPolicy(profile="max"))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("again" in r.getMessage() for r in caplog.records)
+    controller.stop()
