@@ -278,8 +278,12 @@ def test_the_daemons_runner_sends_mode_changes_to_the_helper_and_runs_only_queri
         assert runner.run(["nvpmodel", "-q"]).stdout.endswith("1\n")
         blocked = runner.run(["jetson_clocks"])
         assert blocked.returncode == 1 and "not run by an unprivileged daemon" in blocked.stderr
+        assert running.nvpmodel.calls == [("nvpmodel", "-m", "2")]
     assert local.calls == [("nvpmodel", "-q")]
-    assert running.nvpmodel.calls == [("nvpmodel", "-m", "2")]
+    # The daemon's connection closed: the helper puts the board's mode back (a moment later,
+    # on its own thread).
+    wait_for(lambda: len(running.nvpmodel.calls) == 2)
+    assert running.nvpmodel.calls == [("nvpmodel", "-m", "2"), ("nvpmodel", "-m", "1")]
 
 
 def test_an_explicit_restore_puts_the_board_back_and_starts_a_new_snapshot(
