@@ -48,7 +48,7 @@ TELEMETRY_PERIOD_S = 1.0  # a full telemetry read, at most this often
 SETTLE_S = 0.010  # a clock change is in force this long after its write (GPU 5 ms, EMC 8 ms)
 DECISIONS_KEPT = 64
 COLD_AFTER_S = 8.0
-QUIET_S = 0.2  # no request this long while active: park the clocks until the next
+QUIET_S = 0.1  # no request this long while active: park the clocks until the next
 QUIET_GAPS = 3.0  # ... and never sooner than this many of the stream's mean gaps  # idle this long: a wake boosts to the top point
 
 

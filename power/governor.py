@@ -40,7 +40,7 @@ TAIL_QUANTILE = 0.995  # of observed/predicted compute, for the margin
 MIN_MARGIN = 1.15
 MISS_HEADROOM = 0.70  # after a miss: aim this far under the target
 UP_HEADROOM = 0.95  # going up: aim this far under the target, so one step is enough
-DOWN_BAND = 0.90  # going down: the new point must meet this share of the target
+DOWN_BAND = 0.85  # going down: the new point must meet this share of the target
 DOWN_COST_GAIN = 0.97  # ... and cost at most this share of the point in force
 DOWN_HOLD_S = 1.5  # no move down sooner than this after any change
 DOWN_AFTER_UP_S = 3.0  # ... nor this soon after a move up
@@ -401,13 +401,14 @@ class Governor:
 
     def best(self, now_s: float, share_of_target: float, cap: ThermalCap | None = None,
              queue_depth: int = 0, anchored: bool = False, down: bool = False,
-             rate_hz: float | None = None) -> tuple[PointKey, float] | None:
+             rate_hz: float | None = None, up: bool = False) -> tuple[PointKey, float] | None:
         """The cheapest allowed candidate whose P99 estimate is within ``share_of_target`` of
         the target (and which drains ``queue_depth`` requests inside it), with that estimate;
         ``None`` when none is (or nothing is learned yet). ``anchored``: no estimate below the
         P99 observed at the point in force, scaled by the predicted compute and queueing.
         ``down``: a move down (a margin on the rate, and a busy share it must stay under).
-        ``rate_hz``: plan for this arrival rate instead of the one measured now."""
+        ``rate_hz``: plan for this arrival rate instead of the one measured now. ``up``: a move
+        up from the point in force: no clock lower than it is now."""
         predicted = self._refresh(now_s)
         if predicted is None:
             return None
@@ -420,6 +421,7 @@ class Governor:
         rate = self._rate.planning_hz if rate_hz is None else rate_hz
         busy_limit = MAX_UTILISATION
         below = self.current if down else None
+        above = self.current if up else None
         if down:
             # Moving down: no clock goes up (a sideways move on a rising load is how a governor
             # starts to oscillate); plan for a rate a little above the measured one (a 2 s window of a
@@ -448,6 +450,11 @@ class Governor:
             if below is not None and (candidate.key.gpu_hz > below.gpu_hz
                                       or candidate.key.cpu_khz > below.cpu_khz
                                       or candidate.key.emc_hz > below.emc_hz):
+                continue
+            if above is not None and (candidate.key == above
+                                      or candidate.key.gpu_hz < above.gpu_hz
+                                      or candidate.key.cpu_khz < above.cpu_khz
+                                      or candidate.key.emc_hz < above.emc_hz):
                 continue
             p99 = single * self._multiplier(busy, margin)
             if anchor:
@@ -539,8 +546,10 @@ class Governor:
             if current is not None and self._allowed(current, cap) \
                     and self.cost(key) <= self.cost(current):
                 # Over the target as observed, yet the model prefers a cheaper point: trust the
-                # observation and go up.
-                key, p99 = top, None
+                # observation and go up: after a miss to the top; else to the cheapest point
+                # with no clock lower than now that the model says meets it (the top is the
+                # dearest point there is, and a burst often ends before a hold lets it down).
+                key, p99 = (top, None) if missed else (self._halfway_up(current, top), None)
             capped = current is not None and not self._allowed(current, cap)
             reason = "thermal cap" if capped else "missed the target" if missed \
                 else "over target"
@@ -560,6 +569,19 @@ class Governor:
                     and self.cost(found[0]) < DOWN_COST_GAIN * self.cost(current):
                 return self._go(Choice(key=found[0], reason="slack", predicted_s=found[1]), now)
         return Choice(key=current, reason="steady", predicted_s=current_p99)
+
+    def _halfway_up(self, current: PointKey, top: PointKey) -> PointKey:
+        """Each clock halfway (by table index, rounded up) from ``current`` to ``top``: a move
+        up that does not lean on the model that just proved optimistic."""
+        def halfway(value: int, high: int, table: Sequence[int]) -> int:
+            if value not in table or high not in table:
+                return high
+            low_index, high_index = table.index(value), table.index(high)
+            return table[max(low_index, -(-(low_index + high_index) // 2))]
+        cpu_table = cpu_levels(self.table.cpu_khz)
+        return PointKey(gpu_hz=halfway(current.gpu_hz, top.gpu_hz, self.table.gpu_hz),
+                        cpu_khz=halfway(current.cpu_khz, top.cpu_khz, cpu_table),
+                        emc_hz=halfway(current.emc_hz, top.emc_hz, self._emc_points))
 
     def _go(self, choice: Choice, now_s: float) -> Choice:
         """Take ``choice`` if the ration allows (emergencies always), else stay."""

@@ -327,7 +327,7 @@ def test_a_profile_set_while_sleeping_wakes_through_the_transition_table(profile
 
 def test_a_stop_whose_restore_left_limits_different_keeps_the_saved_copy(
         caplog: pytest.LogCaptureFixture) -> None:
-    controller, board, _, store = started(restore_mismatches=(
+    controller, _, _, store = started(restore_mismatches=(
         Mismatch(path="gpu/max_freq", wanted=1020000000, found=306000000),))
     saved = store.snapshot
     result = controller.stop()

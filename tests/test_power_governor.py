@@ -231,3 +231,21 @@ def test_the_governor_alone_never_leaves_the_clock_table() -> None:
                      [Completion(time_s=1.05, total_s=0.009, compute_s=0.008)],
                      lambda completion: governor.top)
     assert governor.model.ready
+
+
+def test_a_move_up_the_model_cannot_size_goes_halfway_to_the_top_not_all_the_way() -> None:
+    """Over the target while the model prefers a cheaper point (it was just wrong): each clock
+    halfway up its table (rounded up), so a burst does not end at the dearest point there is."""
+    governor = Governor(ORIN_NANO_TABLE, PowerPolicy(latency_target_s=TARGET_S))
+    gpu = ORIN_NANO_TABLE.gpu_hz
+    cpus = cpu_levels(ORIN_NANO_TABLE.cpu_khz)
+    emc = ORIN_NANO_TABLE.emc_hz
+    current = PointKey(gpu_hz=gpu[2], cpu_khz=cpus[1], emc_hz=emc[0])
+    up = governor._halfway_up(current, governor.top)
+    assert up.gpu_hz == gpu[5]  # index 2 -> 7: 4.5 rounded up
+    assert up.cpu_khz == cpus[(1 + len(cpus) - 1 + 1) // 2]
+    assert up.emc_hz == emc[(len(emc) - 1 + 1) // 2]
+    assert governor.cost(up) < governor.cost(governor.top)
+    one_below = PointKey(gpu_hz=gpu[-2], cpu_khz=cpus[-1], emc_hz=emc[-1])
+    assert governor._halfway_up(one_below, governor.top) == governor.top  # never stuck below it
+    assert governor._halfway_up(governor.top, governor.top) == governor.top

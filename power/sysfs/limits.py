@@ -75,10 +75,9 @@ class LimitPair:
         min_readable = cur_min is not None
         writes = 0
         if new_max is not None and cur_min is not None and new_max < cur_min and \
-                cur_min != self.floor:
-            if write(self.min_path, self.floor):
-                cur_min = self.floor
-                writes += 1
+                cur_min != self.floor and write(self.min_path, self.floor):
+            cur_min = self.floor
+            writes += 1
         if new_max is not None and new_max != cur_max:
             if write(self.max_path, new_max):
                 writes += 1
@@ -87,9 +86,8 @@ class LimitPair:
                 # else lowered it) comes back with a higher one, so look again before skipping
                 # the write.
                 cur_min = attempt(self.min_path, lambda: read_int(root, self.min_path))
-        if new_min is not None and new_min != cur_min:
-            if write(self.min_path, new_min):
-                writes += 1
+        if new_min is not None and new_min != cur_min and write(self.min_path, new_min):
+            writes += 1
         if errors:
             raise errors[0]
         return writes, self.check(root, new_min, new_max)
