@@ -222,7 +222,12 @@ class RolloutDriver:
             await self._perform_all(actions)
             self._say(changes(self._shown, self.rollout))
             self._shown = snapshot(self.rollout)
-            if self.rollout.final and self._published == self._content():
+            # Final only once the broker has what the rollout names: a publication held while
+            # the link was down goes out after the reconnect, and returning then would skip the
+            # repair of what the broker lost meanwhile (the desired documents of a restarted
+            # broker that had not saved them).
+            if (self.rollout.final and self._published == self._content()
+                    and self.link.synced and not self.link.reconnected.is_set()):
                 return self.rollout
             self._changed.clear()
             try:
