@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from agent.errors import PowerError
-from power.governor import Governor, point_for
+from power.governor import UP_HEADROOM, Governor, point_for
 from power.latency_model import PointKey
 from power.sleep import SleepPlanner, default_depth
 from power.thermal_guard import ThermalCap, ThermalGuard
@@ -47,6 +47,10 @@ PROFILES = ("governed", "max", "min", "stock")
 TELEMETRY_PERIOD_S = 1.0  # a full telemetry read, at most this often
 SETTLE_S = 0.010  # a clock change is in force this long after its write (GPU 5 ms, EMC 8 ms)
 DECISIONS_KEPT = 64
+SIZE_LEAST = 30  # requests in a busy period before its P99 corrects the wake's sizing
+SIZE_LOW, SIZE_HIGH = 0.75, 0.90  # its P99 under / over these shares of the target ...
+SIZE_UP, SIZE_DOWN = 1.05, 0.85  # ... scales the share the next wake is sized for by these
+SIZE_SHARE_MIN, SIZE_SHARE_MAX = 0.70, 1.15
 COLD_AFTER_S = 8.0
 QUIET_S = 0.1  # no request this long while active: park the clocks until the next
 QUIET_GAPS = 3.0  # ... and never sooner than this many of the stream's mean gaps  # idle this long: a wake boosts to the top point
@@ -139,6 +143,8 @@ class Controller:
         self._mode_before_sleep: int | None = None
         self._parked = False  # the lowest clocks until the next request (idle, sleep, quiet)
         self._mismatched: tuple[str, ...] = ()  # the limits the last apply found different
+        self._size_share = UP_HEADROOM  # the share of the target a wake's point is sized for
+        self._busy_since_s: float | None = None  # the last wake, until the next park
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -377,6 +383,7 @@ class Controller:
         governor.placed(key, now_s)
         self._last_activity_s = now_s
         self._woke_at_s = now_s
+        self._busy_since_s = now_s
         self._woke_key = key
         self._set_state(PowerState.ACTIVE, now_s)
 
@@ -412,7 +419,9 @@ class Controller:
         if not self._parked and governor.model.ready:
             # Size the next wake's boost for the load just seen, not for wherever the governor
             # happened to be when it ended.
-            sized = governor.point_for_rate(now_s, governor.peak_rate_hz, self._cap)
+            self._correct_sizing(now_s)
+            sized = governor.point_for_rate(now_s, governor.peak_rate_hz, self._cap,
+                                            share_of_target=self._size_share)
             if sized is not None:
                 self._active_key = sized
             governor.peak_rate_hz = 0.0
@@ -423,6 +432,26 @@ class Controller:
             governor.placed(key, now_s)
         self._parked = True
         return self._decide(now_s, changed=result is not None, reason=reason, applied=result)
+
+    def _correct_sizing(self, now_s: float) -> None:
+        """Learn how pessimistic the wake's sizing is: the busy period just ended, its P99
+        against the target, nudges the share of the target the next one is sized for (the
+        estimates carry every burst's start transients; a burst well under the target means
+        the next may be sized lower, one near it that it must be sized higher)."""
+        governor = self._require_governor()
+        since = self._busy_since_s
+        self._busy_since_s = None
+        if since is None:
+            return
+        totals = sorted(total for time_s, total in governor.recent if time_s >= since)
+        if len(totals) < SIZE_LEAST:
+            return
+        p99 = totals[min(len(totals) - 1, int(0.99 * len(totals)))]
+        target = self.policy.latency_target_s
+        if p99 > SIZE_HIGH * target:
+            self._size_share = max(SIZE_SHARE_MIN, self._size_share * SIZE_DOWN)
+        elif p99 < SIZE_LOW * target:
+            self._size_share = min(SIZE_SHARE_MAX, self._size_share * SIZE_UP)
 
     def _sleep(self, now_s: float) -> Decision:
         governor = self._require_governor()

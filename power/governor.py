@@ -474,11 +474,11 @@ class Governor:
             best = (candidate.key, p99)
         return best
 
-    def point_for_rate(self, now_s: float, rate_hz: float, cap: ThermalCap | None = None
-                       ) -> PointKey | None:
+    def point_for_rate(self, now_s: float, rate_hz: float, cap: ThermalCap | None = None,
+                       share_of_target: float = UP_HEADROOM) -> PointKey | None:
         """The cheapest point meeting the target (with the headroom of a move up) at
         ``rate_hz``: what a wake boosts to when the next burst is like the last."""
-        found = self.best(now_s, UP_HEADROOM, cap, rate_hz=rate_hz)
+        found = self.best(now_s, share_of_target, cap, rate_hz=rate_hz)
         return None if found is None else found[0]
 
     def cost(self, key: PointKey) -> float:

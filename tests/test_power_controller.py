@@ -372,3 +372,20 @@ def test_a_limit_that_never_sticks_is_warned_about_once_not_every_apply(
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert any("again" in r.getMessage() for r in caplog.records)
     controller.stop()
+
+
+@pytest.mark.parametrize(("target_s", "grows"), [(0.200, True), (0.0085, False)])
+def test_the_wake_sizing_learns_from_each_busy_period_against_the_target(
+        target_s: float, grows: bool) -> None:
+    """A burst answered well under the target lets the next wake be sized for a larger share of
+    it (the estimates are pessimistic); one near or over it, for a smaller share."""
+    controller, board, clock, _ = started(PowerPolicy(latency_target_s=target_s,
+                                                      idle_after_s=0.5, sleep_after_s=100.0))
+    before = controller._size_share
+    start = clock.now_s
+    arrivals = [start + 0.1 + 0.02 * i for i in range(60)]
+    arrivals += [start + 4.0 + 0.02 * i for i in range(60)]
+    serve(controller, board, clock, arrivals, until_s=start + 7.0)
+    after = controller._size_share
+    assert (after > before) if grows else (after < before), (before, after)
+    assert 0.70 <= after <= 1.15
