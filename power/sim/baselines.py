@@ -25,7 +25,24 @@ from power.sim.commands import FakeCommands
 from power.types import Completion, LoadSample, OperatingPoint
 
 
-class MaxClocks:
+class _Static:
+    """A baseline that only sets the board up at the start: it neither steps, sleeps, wakes nor
+    puts anything back (the next run writes a fresh tree)."""
+
+    def step(self, load: LoadSample, completions: Sequence[Completion]) -> None:
+        pass
+
+    def sleeping(self) -> bool:
+        return False
+
+    def wake(self, now_s: float) -> None:
+        pass
+
+    def stop(self, now_s: float) -> None:
+        pass
+
+
+class MaxClocks(_Static):
     """``jetson_clocks`` run on the tree (the board layer's
     :class:`~power.jetson_clocks.JetsonClocks` through the strict fake command of
     ``power/sim/commands.py``), then the GPU rail kept on.
@@ -49,20 +66,8 @@ class MaxClocks:
         if railgate is not None and self._keep_rail_on:
             self._writer.write(railgate, "on" if railgate.endswith("power/control") else "0")
 
-    def step(self, load: LoadSample, completions: Sequence[Completion]) -> None:
-        pass
 
-    def sleeping(self) -> bool:
-        return False
-
-    def wake(self, now_s: float) -> None:
-        pass
-
-    def stop(self, now_s: float) -> None:
-        pass
-
-
-class PinnedPoint:
+class PinnedPoint(_Static):
     """One operating point pinned for a whole trace through the board layer
     (:meth:`power.board.Board.apply`): the static reference the benchmark's ``--ceiling`` searches
     for the cheapest point that meets the target."""
@@ -84,37 +89,13 @@ class PinnedPoint:
             raise PowerError("a pinned point did not read back as written",
                              mismatches=", ".join(m.path for m in result.mismatches))
 
-    def step(self, load: LoadSample, completions: Sequence[Completion]) -> None:
-        pass
 
-    def sleeping(self) -> bool:
-        return False
-
-    def wake(self, now_s: float) -> None:
-        pass
-
-    def stop(self, now_s: float) -> None:
-        pass
-
-
-class StockGovernors:
+class StockGovernors(_Static):
     """The board as it boots: its own governors decide (modelled in the simulator)."""
 
     name = "stock"
 
     def start(self, now_s: float) -> None:
-        pass
-
-    def step(self, load: LoadSample, completions: Sequence[Completion]) -> None:
-        pass
-
-    def sleeping(self) -> bool:
-        return False
-
-    def wake(self, now_s: float) -> None:
-        pass
-
-    def stop(self, now_s: float) -> None:
         pass
 
 
