@@ -37,7 +37,7 @@ from agent.supervisor import TaskState
 from models.signing import load_private_key, write_keypair
 from power.sim.tree import FakeTree
 from power.types import OperatingPoint
-from tests.power_boards import fake_board
+from tests.power_boards import fake_board, serve_helper
 from tests.power_daemon_doubles import StrictController, TreeBoard
 from tests.tiny_models import artifacts_for, make_bundle, tiny_classifier
 
@@ -471,7 +471,6 @@ def test_with_the_privileged_helper_every_write_goes_through_it(installed: dict[
     """``[power] helper_socket``: the real board layer writes through power/helper.py's helper
     (served here on a socket of the test's), which keeps the board's originals."""
     import os
-    import socket
 
     from power.helper import PowerHelper
 
@@ -480,13 +479,7 @@ def test_with_the_privileged_helper_every_write_goes_through_it(installed: dict[
     original = {path: tree.get(path) for path in board_files}
     helper = PowerHelper(tree.root, allowed_uid=os.getuid())
     path = tmp_path / "power.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(4)
-    stop = threading.Event()
-    thread = threading.Thread(target=helper.serve, args=(listener,), kwargs={"stop": stop},
-                              daemon=True)
-    thread.start()
+    stop, thread = serve_helper(helper, path)
     config = installed["config"]
     daemon = Daemon(dataclasses.replace(config, power=dataclasses.replace(
         config.power, helper_socket=path)))
@@ -503,7 +496,6 @@ def test_with_the_privileged_helper_every_write_goes_through_it(installed: dict[
     finally:
         stop.set()
         thread.join(timeout=10)
-        listener.close()
     assert seen["asleep"] != original
     # The helper saw the writes (it keeps what each file had before its first change).
     assert {p: seen["kept"][p] for p in board_files if p in seen["kept"]} == {

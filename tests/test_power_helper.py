@@ -26,6 +26,7 @@ from power.io import FileWriter, allowed_writes, read_text
 from power.sim.commands import FakeCommands
 from power.profiles import profile
 from power.sim.tree import write_tree
+from tests.power_boards import serve_helper
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = "sys/devices/platform/bus@0/17000000.gpu"
@@ -60,13 +61,7 @@ def start(board: Path, tmp_path: Path, *, uid: int | None = None) -> Running:
     helper = PowerHelper(board, allowed_uid=os.getuid() if uid is None else uid,
                          runner=nvpmodel)
     path = tmp_path / "power.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(4)
-    stop = threading.Event()
-    thread = threading.Thread(target=helper.serve, args=(listener,), kwargs={"stop": stop},
-                              daemon=True)
-    thread.start()
+    stop, thread = serve_helper(helper, path)
     return Running(helper, path, board, nvpmodel, stop, thread)
 
 
@@ -369,13 +364,7 @@ def test_the_board_layer_governs_through_the_helper_and_the_kernel_sees_a_valid_
     helper = PowerHelper(root, allowed_uid=os.getuid(), writer=kernel,
                          runner=FakeCommands(root, kernel))
     path = tmp_path / "power.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(4)
-    stop = threading.Event()
-    thread = threading.Thread(target=helper.serve, args=(listener,), kwargs={"stop": stop},
-                              daemon=True)
-    thread.start()
+    stop, thread = serve_helper(helper, path)
     try:
         writer = HelperWriter(path)
         board = Board.open(root, writer=writer, runner=HelperRunner(writer))
