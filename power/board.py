@@ -29,7 +29,7 @@ from typing import Any
 
 from agent.errors import PowerError
 from power.commands import CommandRunner, SubprocessRunner
-from power.io import FileWriter, Writer, read_text
+from power.io import RAILGATE_DELAY_MAX_MS, FileWriter, Writer, read_text
 from power.nvpmodel import Nvpmodel, NvpmodelUnavailable, read_status
 from power.profiles import BoardProfile, identify
 from power.sysfs.cpufreq import CpuPolicy
@@ -38,16 +38,18 @@ from power.sysfs.discover import TEGRA_RELEASE, BoardPaths, discover, read_devic
 from power.sysfs.emc import Emc
 from power.sysfs.fan import Fan
 from power.sysfs.limits import LimitPair
-from power.sysfs.railgate import GpuRailgate
+from power.sysfs.railgate import GpuRailgate, GpuRailgateDelay
 from power.sysfs.rails import PowerRails
 from power.sysfs.thermal import ThermalZones
 from power.types import ApplyResult, ClockTable, Mismatch, OperatingPoint, Telemetry
 
 log = logging.getLogger(__name__)
 
-CONTROLS = ("gpu", "cpu", "emc", "railgate", "nvpmodel", "thermal", "rails", "fan")
+CONTROLS = ("gpu", "cpu", "emc", "railgate", "railgate_delay", "nvpmodel", "thermal", "rails",
+            "fan")
 CONTROL_FILES = frozenset({"min_freq", "max_freq", "scaling_min_freq", "scaling_max_freq",
-                           "mrq_rate_locked", "rate", "railgate_enable", "control"})
+                           "mrq_rate_locked", "rate", "railgate_enable", "control",
+                           "railgate_delay", "autosuspend_delay_ms"})
 """The names of the files a snapshot may hold (power/io.py's table)."""
 SNAPSHOT_FORMAT = 1
 
@@ -98,6 +100,8 @@ class Board:
         self.emc = Emc(root, paths.emc) if paths.emc is not None and paths.emc.rates_hz else None
         self.railgate = GpuRailgate(root, paths.gpu.railgate_file) if (
             paths.gpu is not None and paths.gpu.railgate_file is not None) else None
+        self.railgate_delay = GpuRailgateDelay(root, paths.gpu.railgate_delay_file) if (
+            paths.gpu is not None and paths.gpu.railgate_delay_file is not None) else None
         self.thermal = ThermalZones(root, paths.thermal_zones)
         self.rails = PowerRails(root, paths.power_monitors)
         self.fan = Fan(root, paths.fan_pwm, paths.fan_tach)
@@ -166,6 +170,9 @@ class Board:
             self._problems["emc"] = "no possible_rates for the EMC in debugfs"
         if self.railgate is None:
             self._problems["railgate"] = "no railgate_enable or power/control for the GPU"
+        if self.railgate_delay is None:
+            self._problems["railgate_delay"] = ("no railgate_delay or power/autosuspend_delay_ms "
+                                                "for the GPU")
         if not self.thermal.zones:
             self._problems["thermal"] = "no thermal zone"
         if not self.rails.channels:
@@ -176,7 +183,8 @@ class Board:
         # os.access answers for this process; as root it says yes and the write itself tells.
         for control, files in (("gpu", self._gpu_files()), ("cpu", self._cpu_files()),
                                ("emc", self._emc_files()),
-                               ("railgate", [self.railgate.path] if self.railgate else [])):
+                               ("railgate", [self.railgate.path] if self.railgate else []),
+                               ("railgate_delay", self._delay_files())):
             for path in files:
                 if control not in self._problems and not os.access(self.root / path, os.W_OK):
                     self._problems[control] = f"cannot write {path}: permission denied"
@@ -190,6 +198,12 @@ class Board:
 
     def _emc_files(self) -> list[str]:
         return [self.emc.lock_path, self.emc.rate_path] if self.emc else []
+
+    def _delay_files(self) -> list[str]:
+        return [self.railgate_delay.path] if self.railgate_delay else []
+
+    def _rail_files(self) -> list[str]:
+        return [*([self.railgate.path] if self.railgate else []), *self._delay_files()]
 
     def _clock_table(self) -> ClockTable:
         cpu_khz = sorted({khz for policy in self.cpu for khz in policy.table_khz})
@@ -231,6 +245,12 @@ class Board:
                 cpu_min, cpu_max = self.cpu[0].read_limits_khz()
             except (OSError, ValueError):
                 pass
+        delay_ms = None
+        if self.railgate_delay is not None:
+            try:
+                delay_ms = self.railgate_delay.delay_ms()
+            except (OSError, ValueError):
+                pass
         emc_hz = None
         if self.emc is not None:
             try:
@@ -240,6 +260,7 @@ class Board:
         return OperatingPoint(
             gpu_min_hz=gpu_min, gpu_max_hz=gpu_max, cpu_min_khz=cpu_min, cpu_max_khz=cpu_max,
             emc_hz=emc_hz, gpu_railgate=self.railgate.allowed() if self.railgate else None,
+            gpu_railgate_delay_ms=delay_ms,
             nvpmodel_mode=read_status(self.root) if self.nvpmodel else None)
 
     def telemetry(self) -> Telemetry:
@@ -309,6 +330,10 @@ class Board:
                 raise PowerError(f"{what} minimum above its maximum (a limit given alone is "
                                  "checked against the other's current value)", minimum=low,
                                  maximum=high)
+        delay = point.gpu_railgate_delay_ms
+        if delay is not None and not 0 <= delay <= RAILGATE_DELAY_MAX_MS:
+            raise PowerError("gpu_railgate_delay_ms must be in 0..60000 (milliseconds)",
+                             value=delay)
         if point.emc_hz and table.emc_hz and point.emc_hz not in table.emc_hz:
             raise PowerError("emc_hz is not a rate this board's EMC accepts (in Hz; 0 unlocks)",
                              board=self.name, value=point.emc_hz,
@@ -327,6 +352,8 @@ class Board:
             step.cpu(point.cpu_min_khz, point.cpu_max_khz)
         if point.emc_hz is not None:
             step.emc(point.emc_hz or None)
+        if point.gpu_railgate_delay_ms is not None:
+            step.railgate_delay(point.gpu_railgate_delay_ms)
         if point.gpu_railgate is not None:
             step.railgate(point.gpu_railgate)
         return step.result()
@@ -334,13 +361,18 @@ class Board:
     def snapshot(self) -> dict[str, Any]:
         files: dict[str, str] = {}
         for path in [*self._gpu_files(), *self._cpu_files(), *self._emc_files(),
-                     *([self.railgate.path] if self.railgate else [])]:
+                     *self._rail_files()]:
             try:
                 files[path] = read_text(self.root, path)
             except OSError:
                 continue
         if self.emc is not None and files.get(self.emc.lock_path) == "0":
             files.pop(self.emc.rate_path, None)  # unlocked: the rate is the board's choice
+        if self.railgate_delay is not None and \
+                not files.get(self.railgate_delay.path, "0").isdigit():
+            # Not a delay the board layer can write back (a negative one turns autosuspend off):
+            # the controller never changes it then, so there is nothing to restore.
+            files.pop(self.railgate_delay.path, None)
         return {"format": SNAPSHOT_FORMAT, "board": self.name,
                 "nvpmodel_mode": read_status(self.root) if self.nvpmodel else None,
                 "files": files}
@@ -348,7 +380,7 @@ class Board:
     def restore(self, snapshot: dict[str, Any]) -> ApplyResult:
         """Put back every limit of ``snapshot`` (from :meth:`snapshot`, maybe of an earlier run):
         nvpmodel's mode first (it rewrites the caps), then the GPU and CPU limits in the safe
-        order, the EMC (unlocked, or locked at its rate) and rail-gating. Limits of a control
+        order, the EMC (unlocked, or locked at its rate), the rail-gate delay and rail-gating. Limits of a control
         this board cannot reach now are skipped and named in ``unsupported``; a snapshot of
         another board, of another format, with values that are not text or with files that
         are no board limit raises PowerError before anything is written."""
@@ -367,7 +399,7 @@ class Board:
                              "number (damaged?)", files=", ".join(bad[:5]) or None,
                              nvpmodel_mode=None if type(mode) is int else repr(mode)[:40])
         known = {*self._gpu_files(), *self._cpu_files(), *self._emc_files(),
-                 *([self.railgate.path] if self.railgate else [])}
+                 *self._rail_files()}
         unknown = sorted(set(files) - known)
         foreign = [path for path in unknown if path.rsplit("/", 1)[-1] not in CONTROL_FILES]
         if foreign:
@@ -397,6 +429,14 @@ class Board:
         if self.emc is not None and self.emc.lock_path in files:
             rate = number(self.emc.rate_path)
             step.emc(rate if files[self.emc.lock_path] == "1" and rate else None)
+        if self.railgate_delay is not None and self.railgate_delay.path in files:
+            delay = number(self.railgate_delay.path)
+            if delay is not None:
+                step.railgate_delay(delay)
+            else:
+                step.unsupported.append(f"snapshot: {self.railgate_delay.path} holds "
+                                        f"{files[self.railgate_delay.path]!r}, not a delay in ms: "
+                                        "not restored")
         if self.railgate is not None and self.railgate.path in files:
             step.railgate(files[self.railgate.path] in ("1", "auto"))
         return step.result()
@@ -539,6 +579,13 @@ class _Step:
             return
         self._run("railgate", railgate.path, lambda: railgate.set(self.board.writer, allow),
                   list)
+
+    def railgate_delay(self, delay_ms: int) -> None:
+        delay = self.board.railgate_delay
+        if self._skip("railgate_delay") or delay is None:
+            return
+        self._run("railgate_delay", delay.path, lambda: delay.set(self.board.writer, delay_ms),
+                  lambda: delay.check(delay_ms))
 
     def result(self) -> ApplyResult:
         return ApplyResult(applied=self.board.read_point(), mismatches=tuple(self.mismatches),

@@ -20,6 +20,9 @@ through ``sys/class/devfreq``, ``<gpudev>`` its device directory, ``<policy>`` e
 ``<emc>/rate``                      a decimal integer in Hz, one of debugfs ``possible_rates``
 ``<gpudev>/railgate_enable``        ``0`` or ``1``
 ``<gpudev>/power/control``          ``auto`` or ``on`` (rail-gating where railgate_enable is absent)
+``<gpudev>/railgate_delay``         a decimal integer in ms, 0..60000 (the idle time before the
+                                    rail is gated); ``<gpudev>/power/autosuspend_delay_ms`` where
+                                    railgate_delay is absent (power/sysfs/railgate.py: ASSUMPTION)
 ==================================  ==============================================================
 
 :func:`allowed_writes` lists exactly these for a board tree, each with the :class:`WriteRule` its
@@ -39,6 +42,8 @@ from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from agent.errors import PowerError
+
+RAILGATE_DELAY_MAX_MS = 60000  # the longest GPU rail-gate delay the board layer writes (a minute)
 
 
 class Writer(Protocol):
@@ -165,6 +170,9 @@ def allowed_writes(root: Path) -> dict[str, WriteRule]:
         words = {"0", "1"} if paths.gpu.railgate_file.endswith("railgate_enable") \
             else {"auto", "on"}
         rules[paths.gpu.railgate_file] = WriteRule(what="gpu_railgate", words=frozenset(words))
+    if paths.gpu is not None and paths.gpu.railgate_delay_file is not None:
+        rules[paths.gpu.railgate_delay_file] = WriteRule(what="gpu_railgate_delay_ms", low=0,
+                                                         high=RAILGATE_DELAY_MAX_MS)
     for policy in paths.cpu:
         if policy.table_khz:
             low, high = policy.table_khz[0], policy.table_khz[-1]

@@ -46,6 +46,7 @@ class OperatingPoint:
     cpu_max_khz: int | None = None
     emc_hz: int | None = None  # a locked EMC rate; None = not locked (the board's own choice)
     gpu_railgate: bool | None = None  # allow the GPU rail to be gated when idle
+    gpu_railgate_delay_ms: int | None = None  # idle this long (ms) before the rail is gated
     nvpmodel_mode: int | None = None  # only when the policy allows governing through nvpmodel
 
     def to_json(self) -> dict[str, Any]:

@@ -29,7 +29,8 @@ def test_a_point_lands_in_each_file_in_the_kernels_units(tmp_path: Path) -> None
     board, kernel = open_board(tree)
     result = board.apply(OperatingPoint(gpu_min_hz=510000000, gpu_max_hz=714000000,
                                         cpu_min_khz=960000, cpu_max_khz=1190400,
-                                        emc_hz=665600000, gpu_railgate=False))
+                                        emc_hz=665600000, gpu_railgate=False,
+                                        gpu_railgate_delay_ms=20))
     assert result.ok and not result.unsupported
     assert tree.get(f"{tree.gpu_freq_dir}/min_freq") == "510000000"  # Hz
     assert tree.get(f"{tree.gpu_freq_dir}/max_freq") == "714000000"
@@ -38,9 +39,10 @@ def test_a_point_lands_in_each_file_in_the_kernels_units(tmp_path: Path) -> None
         assert tree.get(f"{policy}/scaling_max_freq") == "1190400"
     assert tree.get(f"{EMC}/mrq_rate_locked") == "1" and tree.get(f"{EMC}/rate") == "665600000"
     assert tree.get(f"{tree.gpu_device_dir}/railgate_enable") == "0"
+    assert tree.get(f"{tree.gpu_device_dir}/railgate_delay") == "20"  # ms
     assert result.applied == OperatingPoint(
         gpu_min_hz=510000000, gpu_max_hz=714000000, cpu_min_khz=960000, cpu_max_khz=1190400,
-        emc_hz=665600000, gpu_railgate=False, nvpmodel_mode=1)
+        emc_hz=665600000, gpu_railgate=False, gpu_railgate_delay_ms=20, nvpmodel_mode=1)
     assert result.writes == len(kernel.log)
     # The EMC is locked before its rate is written (BPMP ignores a rate while unlocked).
     emc_writes = [path for path, _ in kernel.log if path.startswith(EMC)]
@@ -178,7 +180,7 @@ def test_a_file_that_vanished_degrades_its_control(tmp_path: Path) -> None:
 
 def test_without_debugfs_the_emc_is_reported_and_skipped(tmp_path: Path) -> None:
     tree = fake_board(tmp_path, "orin-nano", 6, debugfs=False)
-    board, kernel = open_board(tree)
+    board, _kernel = open_board(tree)
     assert board.capabilities()["emc"] == "no EMC control in debugfs (not mounted, or not root)"
     assert board.clock_table().emc_hz == ()
     result = board.apply(OperatingPoint(emc_hz=2133000000, gpu_max_hz=612000000))
@@ -330,8 +332,8 @@ def test_real_read_only_files_give_a_degraded_board_for_a_user(tmp_path: Path) -
         # tmp_path's parents are root's 0700: let the user through them for this test only.
         modes = {folder: os.stat(folder).st_mode & 0o7777 for folder in tmp_path.parents
                  if str(folder).startswith(str(tmp_path.parents[2]))}
-        for folder in modes:
-            os.chmod(folder, modes[folder] | 0o111)
+        for folder, mode in modes.items():
+            os.chmod(folder, mode | 0o111)
         try:
             reader, writer = os.pipe()
             pid = os.fork()
@@ -343,7 +345,7 @@ def test_real_read_only_files_give_a_degraded_board_for_a_user(tmp_path: Path) -
                     os.setuid(65534)
                     os.write(writer, json.dumps(probe()).encode())
                     code = 0
-                except BaseException as exc:  # reported through the pipe
+                except BaseException as exc:  # noqa: BLE001 - reported through the pipe
                     os.write(writer, repr(exc).encode())
                 finally:
                     os._exit(code)

@@ -51,7 +51,7 @@ def test_allowed_writes_lists_exactly_the_controls_of_an_orin_nano(tmp_path: Pat
     cpu = "sys/devices/system/cpu/cpufreq"
     assert set(rules) == {
         f"{gpu}/devfreq/17000000.gpu/min_freq", f"{gpu}/devfreq/17000000.gpu/max_freq",
-        f"{gpu}/railgate_enable",
+        f"{gpu}/railgate_enable", f"{gpu}/railgate_delay",
         f"{cpu}/policy0/scaling_min_freq", f"{cpu}/policy0/scaling_max_freq",
         f"{cpu}/policy4/scaling_min_freq", f"{cpu}/policy4/scaling_max_freq",
         f"{emc}/mrq_rate_locked", f"{emc}/rate"}
@@ -63,6 +63,10 @@ def test_allowed_writes_lists_exactly_the_controls_of_an_orin_nano(tmp_path: Pat
     assert rules[f"{emc}/rate"].check("3000000000") is not None  # BPMP would drop it
     assert rules[f"{gpu}/railgate_enable"].check("0") is None
     assert rules[f"{gpu}/railgate_enable"].check("2") is not None
+    delay = rules[f"{gpu}/railgate_delay"]  # ms
+    assert delay.check("20") is None and delay.check("500") is None
+    assert delay.check("-1") is not None and delay.check("60001") is not None
+    assert delay.check("0.5") is not None
     assert rules[f"{cpu}/policy4/scaling_max_freq"].check("1728000") is None
     assert rules[f"{cpu}/policy4/scaling_max_freq"].check("1728001") is not None
 
@@ -74,6 +78,10 @@ def test_allowed_writes_follow_the_layout_of_jetpack_7_and_of_a_board_without_de
     railgate = "sys/devices/platform/17000000.gpu/power/control"
     assert railgate in rules and rules[railgate].check("auto") is None
     assert rules[railgate].check("1") is not None
+    # No nvgpu railgate_delay there: runtime PM's own delay file (ms) takes its place.
+    delay = "sys/devices/platform/17000000.gpu/power/autosuspend_delay_ms"
+    assert delay in rules and rules[delay].check("10") is None
+    assert not any(path.endswith("/railgate_delay") for path in rules)
     assert not any("debug" in path for path in rules)
 
 

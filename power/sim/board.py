@@ -6,7 +6,9 @@ reads the limits and governors the board layer wrote there (``min_freq``/``max_f
 governors where they are in charge (:mod:`power.sim.podgov`, :mod:`power.sim.cpugov`), puts each
 new clock in force after its actuation delay, and writes back what the kernel would show:
 ``cur_freq``, ``scaling_cur_freq``, the EMC rate, the GPU's ``load`` and ``runtime_status``, the
-INA3221 rails and the thermal zones. The production :class:`~power.board.Board` and governor above
+INA3221 rails and the thermal zones. The GPU's rail is gated once it has been idle for the delay
+its ``railgate_delay`` (or ``power/autosuspend_delay_ms``) file holds, while rail-gating is
+allowed; the next batch waits the physics' ``unrailgate_s`` first (an UNCONFIRMED figure). The production :class:`~power.board.Board` and governor above
 it are therefore the code a real board runs.
 
 Time is the simulation's: the serving loop (:mod:`power.sim.serving`) calls :meth:`advance` up to
@@ -69,6 +71,7 @@ class _Controls:
     cpu: tuple[tuple[int, int, str, int], ...]  # (min, max, governor, setspeed) per policy
     emc_hz: int
     railgate: bool
+    railgate_delay_s: float  # idle this long before the rail is gated
 
 
 @dataclass
@@ -238,7 +241,8 @@ class SimBoard:
                          gpu_governor=self._read(f"{gpu.freq_dir}/governor") or "nvhost_podgov",
                          gpu_3d_scaling=self._read(f"{gpu.device_dir}/enable_3d_scaling") != "0",
                          cpu=tuple(cpu), emc_hz=self._emc_wanted(),
-                         railgate=self._railgate_allowed_now())
+                         railgate=self._railgate_allowed_now(),
+                         railgate_delay_s=self._railgate_delay_now_s())
 
     def _gpu_wanted(self, podgov_choice: int | None) -> int:
         controls = self._controls
@@ -284,6 +288,15 @@ class SimBoard:
             return False
         value = self._read(railgate)
         return value == ("auto" if railgate.endswith("power/control") else "1")
+
+    def _railgate_delay_now_s(self) -> float:
+        """The rail-gate delay the tree's file asks for (ms there); the physics' default (ga10b's
+        500 ms) when the tree has no such file or it holds no delay."""
+        delay = self.gpu_paths.railgate_delay_file
+        if delay is None:
+            return self.physics.railgate_delay_s
+        ms = self._read_int(delay, -1)
+        return ms / 1000.0 if ms >= 0 else self.physics.railgate_delay_s
 
     def sync(self) -> None:
         """Re-read the limits the board layer may have written and request the clocks they
@@ -345,7 +358,7 @@ class SimBoard:
 
     def _railgate_at_s(self) -> float | None:
         if self.gpu_on and not self.gpu_busy and self.railgate_allowed():
-            return self._gpu_idle_since_s + self.physics.railgate_delay_s
+            return self._gpu_idle_since_s + self._controls.railgate_delay_s
         return None
 
     def next_event_s(self) -> float:

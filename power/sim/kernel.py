@@ -17,7 +17,10 @@ Rules by JetPack release (``docs/reference/power_anchors.md`` section 3):
 - Every release: ``cur_freq``/``scaling_cur_freq`` move into the new limits (the nearest table
   entry inside them); an EMC ``rate`` is taken only while ``mrq_rate_locked`` is 1, rounded up to
   a ``possible_rates`` entry [I]; ``railgate_enable`` takes 0/1 and ``power/control`` auto/on,
-  anything else is ``EINVAL``; a file the kernel does not let anyone write (``cur_freq``, a
+  anything else is ``EINVAL``; ``railgate_delay`` and ``power/autosuspend_delay_ms`` take a
+  non-negative decimal integer (ms, shown as written, the two files one value; ASSUMPTION, the
+  reference gives neither their rules nor their place: a negative delay, which runtime PM reads
+  as "never suspend", is refused here as the board layer never writes one); a file the kernel does not let anyone write (``cur_freq``, a
   temperature) fails with ``EACCES``, a missing one with ``ENOENT``; a cpufreq policy whose CPUs
   are all offline answers ``EBUSY`` to writes. (The real kernel answers ``EBUSY`` to reads of
   such a policy's attributes as well; reads do not go through a writer, so the tree still shows
@@ -83,6 +86,10 @@ class FakeKernel:
         elif relpath.endswith("power/control"):
             self._choice(path, value, ("auto", "on"))
             self._runtime_status(folder.rsplit("/", 1)[0], gated_allowed=value == "auto")
+        elif name == "railgate_delay" or relpath.endswith("power/autosuspend_delay_ms"):
+            self._number(path, value)
+            self._put(path, value.strip())
+            self._mirror_delay(folder.removesuffix("/power"), value.strip())
         elif name == "online" and "/cpu/cpu" in relpath:
             self._choice(path, value, ("0", "1"))
         elif name in ("emc_iso_cap", "emc") and "nvpmodel_" in relpath:
@@ -196,6 +203,14 @@ class FakeKernel:
             self._unlocked_rate.setdefault(folder, read_int(self.root, f"{folder}/rate"))
         elif folder in self._unlocked_rate:
             self._put(rate_path, self._unlocked_rate.pop(folder))
+
+    def _mirror_delay(self, device_dir: str, value: str) -> None:
+        """nvgpu's ``railgate_delay`` sets the device's runtime-PM autosuspend delay: the two
+        files show one value (ASSUMPTION: power/sysfs/railgate.py)."""
+        for name in ("railgate_delay", "power/autosuspend_delay_ms"):
+            other = self.root / device_dir / name
+            if other.is_file():
+                self._put(other, value)
 
     def _runtime_status(self, device_dir: str, *, gated_allowed: bool) -> None:
         status = self.root / device_dir / "power" / "runtime_status"

@@ -82,7 +82,8 @@ class BoardPhysics:
     cpu_change_s: float = 0.001
     gpu_change_s: float = 0.005
     emc_change_s: float = 0.008
-    # Rail gating (nvgpu ga10b default autosuspend delay 500 ms); unrailgate time UNCONFIRMED.
+    # Rail gating (nvgpu ga10b default autosuspend delay 500 ms: used when the tree has no
+    # delay file; the file's value wins); unrailgate time UNCONFIRMED (an assumption: 4 ms).
     railgate_delay_s: float = 0.500
     unrailgate_s: float = 0.004
 

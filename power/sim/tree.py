@@ -15,7 +15,8 @@ the JetPack release asked for:
   names.
 - JetPack 7 (r38+ on Orin): the GPU at ``sys/devices/platform/17000000.gpu``, no
   ``enable_3d_scaling`` (3D scaling is the governor choice there [JS867]) and no
-  ``railgate_enable`` (rail-gating through ``power/control``), the EMC cap at
+  ``railgate_enable`` or ``railgate_delay`` (rail-gating through ``power/control``, its delay
+  in ``power/autosuspend_delay_ms``), the EMC cap at
   ``sys/kernel/nvpmodel_clk_cap/emc``. The JetPack 7 paths are UNCONFIRMED [U]; they exercise a
   layout unlike the others, which is what the board layer's discovery must cope with.
 
@@ -36,6 +37,7 @@ from power.profiles import BoardProfile
 DEFAULT_TRIPS_C: tuple[tuple[str, float], ...] = (("passive", 99.0), ("critical", 104.5))
 """Trip points written into every zone: clearly fake (the real ones are UNCONFIRMED); tests give
 their own."""
+RAILGATE_DELAY_MS = 500  # ga10b's default autosuspend delay [NVGPU]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,8 +253,12 @@ def write_tree(root: Path, board: BoardProfile, jetpack: int = 6, *, mode_id: in
     _put(root, f"{device}/tpc_pg_mask", 0)
     _put(root, f"{device}/power/control", "auto")
     _put(root, f"{device}/power/runtime_status", "suspended")
+    # Runtime PM's autosuspend delay, and nvgpu's railgate_delay beside railgate_enable: both
+    # 500 ms, ga10b's default [NVGPU]. Their place is an ASSUMPTION (power/sysfs/railgate.py).
+    _put(root, f"{device}/power/autosuspend_delay_ms", RAILGATE_DELAY_MS)
     if layout.railgate_enable:
         _put(root, f"{device}/railgate_enable", 1)
+        _put(root, f"{device}/railgate_delay", RAILGATE_DELAY_MS)
     if layout.enable_3d_scaling:
         _put(root, f"{device}/enable_3d_scaling", 1)
     if layout.gpu_alias is not None:
@@ -345,5 +351,5 @@ def write_tree(root: Path, board: BoardProfile, jetpack: int = 6, *, mode_id: in
                     zones=zones, rails=rails, fan_pwm=fan_pwm, unreadable_zones=tuple(unreadable))
 
 
-__all__ = ["DEFAULT_TRIPS_C", "FakeTree", "TreeLayout", "layout_for", "render_nvpmodel_conf",
+__all__ = ["DEFAULT_TRIPS_C", "RAILGATE_DELAY_MS", "FakeTree", "TreeLayout", "layout_for", "render_nvpmodel_conf",
            "write_tree"]

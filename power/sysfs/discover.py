@@ -28,6 +28,9 @@ HWMON_CLASS = "sys/class/hwmon"
 I2C_DEVICES = "sys/bus/i2c/devices"
 DEVICE_TREE = ("proc/device-tree", "sys/firmware/devicetree/base")
 TEGRA_RELEASE = "etc/nv_tegra_release"
+# The GPU's rail-gate delay (ms), in its device directory: nvgpu's own file, else runtime PM's.
+# Where railgate_delay sits is an ASSUMPTION (power/sysfs/railgate.py says why).
+RAILGATE_DELAY_FILES = ("railgate_delay", "power/autosuspend_delay_ms")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +39,8 @@ class GpuPaths:
     device_dir: str  # load (per-mille), railgate_enable, power/runtime_status
     table_hz: tuple[int, ...]
     railgate_file: str | None  # railgate_enable, else power/control, else None
+    # railgate_delay (ms), else power/autosuspend_delay_ms, else None (power/sysfs/railgate.py)
+    railgate_delay_file: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,9 +115,14 @@ def find_gpu(root: Path) -> GpuPaths | None:
             if os.path.isfile(root / device_dir / candidate):
                 railgate = f"{device_dir}/{candidate}"
                 break
+        delay: str | None = None
+        for candidate in RAILGATE_DELAY_FILES:
+            if os.path.isfile(root / device_dir / candidate):
+                delay = f"{device_dir}/{candidate}"
+                break
         return GpuPaths(freq_dir=freq_dir, device_dir=device_dir,
                         table_hz=_ints(root, f"{freq_dir}/available_frequencies"),
-                        railgate_file=railgate)
+                        railgate_file=railgate, railgate_delay_file=delay)
     return None
 
 
