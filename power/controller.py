@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from agent.errors import PowerError
 from power.governor import UP_HEADROOM, Governor, point_for
 from power.latency_model import PointKey
-from power.sleep import SleepPlanner, default_depth
+from power.sleep import RailgatePlanner, SleepPlanner, default_depth
 from power.thermal_guard import ThermalCap, ThermalGuard
 from power.types import (
     TRANSITIONS, ApplyResult, BoardControl, ClockTable, Completion, Decision, LoadSample,
@@ -54,6 +54,10 @@ SIZE_SHARE_MIN, SIZE_SHARE_MAX = 0.70, 1.15
 COLD_AFTER_S = 8.0
 QUIET_S = 0.1  # no request this long while active: park the clocks until the next
 QUIET_GAPS = 3.0  # ... and never sooner than this many of the stream's mean gaps  # idle this long: a wake boosts to the top point
+RAILGATE_HOLD_S = 2.0  # the rail-gate delay changes at most this often
+RAILGATE_WINDOW_S = 10.0  # the P99 the latency room is judged on
+RAILGATE_ROOM_ENTER = 0.80  # shorten the delay only if P99 + the unrailgate stays under this share
+RAILGATE_ROOM_KEEP = 0.90  # ... and put it back once P99 (the unrailgate in it) passes this share
 
 
 class SnapshotStore(Protocol):
@@ -145,6 +149,10 @@ class Controller:
         self._mismatched: tuple[str, ...] = ()  # the limits the last apply found different
         self._size_share = UP_HEADROOM  # the share of the target a wake's point is sized for
         self._busy_since_s: float | None = None  # the last wake, until the next park
+        self._railgate = RailgatePlanner()
+        self._gate_long_ms: int | None = None  # the board's own rail-gate delay (restored)
+        self._gate_short = False  # the delay is shortened (the GPU gates between frames)
+        self._gate_changed_s = -float("inf")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -174,6 +182,8 @@ class Controller:
         self._started = True
         now = self._clock()
         self._last_activity_s = now
+        self._gate_long_ms = self.board.read_point().gpu_railgate_delay_ms
+        self._gate_short = False
         self._enter_profile(now)
 
     def _left_over(self) -> dict[str, Any] | None:
@@ -248,6 +258,7 @@ class Controller:
         governor = self._require_governor()
         profile = self.policy.profile
         mode = self._leave_rest(now_s)
+        self._set_railgate_delay(False, now_s)
         self._stock = profile == "stock"
         if self._stock:
             if self._snapshot is not None:
@@ -303,6 +314,9 @@ class Controller:
             self._read_telemetry(now)
         if self._stock or self.policy.profile in ("max", "min"):
             return self._decide(now, changed=False, reason=f"profile {self.policy.profile}")
+        self._railgate.observe(completions)
+        if self.state is PowerState.ACTIVE and not self._parked:
+            self._railgate_step(now)
         if busy:
             self._last_activity_s = now
             if self._parked or self.state in (PowerState.IDLE, PowerState.SLEEPING):
@@ -465,6 +479,42 @@ class Controller:
             self._on_engine(False)
             self._engine_released = True
         return self._decide(now_s, changed=True, reason="sleep", applied=result)
+
+    def _railgate_step(self, now_s: float) -> None:
+        """Shorten the GPU's rail-gate delay under a periodic load whose gaps pass the
+        break-even, when the latency target has room for the unrailgate; put it back when the
+        load goes continuous or the room goes."""
+        planner = self._railgate
+        long_ms = self._gate_long_ms
+        if long_ms is None or long_ms <= planner.short_ms:
+            return  # no delay to change here, or the board's own is short already
+        want = planner.wants_short(short_now=self._gate_short)
+        p99 = self._require_governor().observed_p99_s(RAILGATE_WINDOW_S, now_s)
+        target = self.policy.latency_target_s
+        if want and not self._gate_short:
+            want = p99 is not None and \
+                p99 + planner.cost.unrailgate_s <= RAILGATE_ROOM_ENTER * target
+        elif want and p99 is not None and p99 > RAILGATE_ROOM_KEEP * target:
+            want = False
+        if want != self._gate_short and now_s - self._gate_changed_s >= RAILGATE_HOLD_S:
+            self._set_railgate_delay(want, now_s)
+
+    def _set_railgate_delay(self, short: bool, now_s: float) -> None:
+        """The short delay (rail-gating allowed with it), or the board's own back."""
+        if short == self._gate_short or self._gate_long_ms is None:
+            return
+        point = OperatingPoint(gpu_railgate_delay_ms=self._railgate.short_ms,
+                               gpu_railgate=True) if short else OperatingPoint(
+            gpu_railgate_delay_ms=self._gate_long_ms)
+        started_cpu = time.process_time()
+        result = self.board.apply(point)
+        self._board_cpu_s += time.process_time() - started_cpu
+        self._gate_short = short
+        self._gate_changed_s = now_s
+        log.info("GPU rail-gate delay %d ms (%s)%s", point.gpu_railgate_delay_ms or 0,
+                 "gating between requests" if short else "the board's own",
+                 "" if result.ok and not result.unsupported else
+                 f": {'; '.join([*(m.path for m in result.mismatches), *result.unsupported])}")
 
     def _set_state(self, state: PowerState, now_s: float) -> None:
         if state is self.state:
