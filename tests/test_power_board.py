@@ -459,3 +459,54 @@ def test_a_broken_limit_warns_once_per_state_change_not_every_apply(
     assert result.ok
     assert [r.levelname for r in caplog.records] == ["INFO"]  # recovered, said once
     assert "gpu" in caplog.records[0].getMessage()
+
+
+def test_the_rail_gate_delay_is_read_back_saved_and_restored(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board, kernel = open_board(tree)
+    delay = f"{tree.gpu_device_dir}/railgate_delay"
+    original = board.snapshot()
+    assert original["files"][delay] == "500"  # ms, ga10b's default
+    assert board.read_point().gpu_railgate_delay_ms == 500
+    result = board.apply(OperatingPoint(gpu_railgate_delay_ms=10))
+    assert result.ok and result.writes == 1 and result.applied.gpu_railgate_delay_ms == 10
+    assert kernel.log == [(delay, "10")]
+    assert tree.get(f"{tree.gpu_device_dir}/power/autosuspend_delay_ms") == "10"
+    restored = board.restore(original)
+    assert restored.ok and not restored.unsupported
+    assert tree.get(delay) == "500" and board.snapshot() == original
+
+
+@pytest.mark.parametrize("value", [-1, 60001, True, 0.5])
+def test_a_rail_gate_delay_out_of_range_is_refused_before_any_write(tmp_path: Path,
+                                                                    value: object) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    board, kernel = open_board(tree)
+    with pytest.raises(PowerError, match="gpu_railgate_delay_ms"):
+        board.apply(OperatingPoint(gpu_railgate_delay_ms=value))  # type: ignore[arg-type]
+    assert kernel.log == []
+
+
+def test_a_missing_rail_gate_delay_is_a_degraded_control(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    for name in ("railgate_delay", "power/autosuspend_delay_ms"):
+        (tree.root / tree.gpu_device_dir / name).unlink()
+    board, kernel = open_board(tree)
+    assert "railgate_delay" in (board.capabilities()["railgate_delay"] or "")
+    assert board.capabilities()["railgate"] is None
+    result = board.apply(OperatingPoint(gpu_railgate_delay_ms=10, gpu_railgate=True))
+    assert result.ok and any(item.startswith("railgate_delay:") for item in result.unsupported)
+    assert kernel.log == [] and result.applied.gpu_railgate_delay_ms is None
+    assert "railgate_delay" not in " ".join(board.snapshot()["files"])
+
+
+def test_a_read_only_rail_gate_delay_degrades_on_its_first_write(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6)
+    delay = f"{tree.gpu_device_dir}/railgate_delay"
+    board, _kernel = open_board(tree, read_only=frozenset({delay}))
+    result = board.apply(OperatingPoint(gpu_railgate_delay_ms=10, gpu_min_hz=306000000))
+    assert tree.get(delay) == "500" and tree.get(f"{tree.gpu_freq_dir}/min_freq") == "306000000"
+    assert any("railgate_delay" in item and "Permission denied" in item
+               for item in result.unsupported)
+    assert board.capabilities()["railgate_delay"] is not None
+    assert board.apply(OperatingPoint(gpu_railgate_delay_ms=20)).writes == 0  # skipped now

@@ -34,7 +34,8 @@ begin(board, SavedSnapshot(Path(sys.argv[2])))
 table = board.clock_table()
 result = board.apply(OperatingPoint(gpu_min_hz=table.gpu_hz[-1], gpu_max_hz=table.gpu_hz[-1],
                                     cpu_min_khz=table.cpu_khz[-1], cpu_max_khz=table.cpu_khz[-1],
-                                    emc_hz=table.emc_hz[-1], gpu_railgate=False))
+                                    emc_hz=table.emc_hz[-1], gpu_railgate=False,
+                                    gpu_railgate_delay_ms=10))
 assert result.ok, result
 print("governing", flush=True)
 time.sleep(120)
@@ -69,11 +70,14 @@ def test_after_sigkill_the_next_start_restores_the_board(tmp_path: Path, name: s
     assert board.snapshot() != original  # the killed run left its clocks pinned, EMC locked
     assert tree.get("sys/kernel/debug/bpmp/debug/clk/emc/mrq_rate_locked") == "1"
     assert json.loads(saved_path.read_text())["snapshot"] == original
+    delay = f"{tree.gpu_device_dir}/railgate_delay"
+    assert tree.get(delay) == "10" and original["files"][delay] == "500"  # ms
 
     result = begin(board, SavedSnapshot(saved_path))
     assert result is not None and result.ok
     assert board.snapshot() == original
     assert tree.get("sys/kernel/debug/bpmp/debug/clk/emc/mrq_rate_locked") == "0"
+    assert tree.get(delay) == "500"
     assert json.loads(saved_path.read_text())["snapshot"] == original  # saved afresh
 
     end(board, SavedSnapshot(saved_path))

@@ -135,6 +135,43 @@ def test_an_idle_gpu_is_rail_gated_and_its_wake_costs_the_unrailgate_time(
     assert read_text(board.root, status) == "active"
 
 
+def test_the_rail_gates_after_the_delay_its_file_holds(tmp_path: Path) -> None:
+    board, kernel = _board(tmp_path)
+    delay = f"{board.gpu_paths.device_dir}/railgate_delay"
+    assert board.gpu_paths.railgate_delay_file == delay and read_int(board.root, delay) == 500
+    kernel.write(delay, "20")  # ms
+    board.sync()
+    assert read_int(board.root, f"{board.gpu_paths.device_dir}/power/autosuspend_delay_ms") == 20
+    board.begin_gpu_work(cpu_share=0.1)
+    board.advance(0.030)
+    board.end_gpu_work()  # idle from 30 ms
+    board.advance(0.049)
+    assert board.gpu_on  # 19 ms idle
+    board.advance(0.051)
+    assert not board.gpu_on  # 21 ms idle
+    assert board.begin_gpu_work(cpu_share=0.1) == board.physics.unrailgate_s
+    # Written back to the default, the next idle spell does not gate before 500 ms.
+    board.end_gpu_work()
+    kernel.write(delay, "500")
+    board.sync()
+    board.advance(0.051 + 0.45)
+    assert board.gpu_on
+    board.advance(0.051 + 0.51)
+    assert not board.gpu_on
+
+
+def test_a_tree_without_a_delay_file_gates_after_the_physics_default(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6, mode_id=2)
+    for name in ("railgate_delay", "power/autosuspend_delay_ms"):
+        (tree.root / tree.gpu_device_dir / name).unlink()
+    board = SimBoard(root=tree.root, physics=physics_for(NANO), kernel=FakeKernel(tree.root, 6))
+    assert board.gpu_paths.railgate_delay_file is None
+    board.advance(0.49)
+    assert board.gpu_on
+    board.advance(0.51)
+    assert not board.gpu_on
+
+
 def test_pinned_clocks_keep_the_rail_on_and_the_files_say_so(tmp_path: Path) -> None:
     board, kernel = _board(tmp_path)
     MaxClocks(board, kernel).start(0.0)

@@ -1,19 +1,39 @@
 """Smart sleep with a fake clock: the idle forecast and break-even rule, sleeping and waking
-through the controller (low-power mode, engine release, wake latency, a wake command)."""
+through the controller (low-power mode, engine release, wake latency, a wake command); the GPU's
+rail-gate delay shortened between frames of a periodic load and given back (SIMULATION)."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
 import pytest
 
+from agent.tooling.powerbench.strategies import OurGovernor
 from power.controller import Controller
-from power.sleep import IdleForecast, SleepDepth, SleepPlanner, default_depth
-from power.types import LoadSample, PowerPolicy, PowerState
+from power.io import read_int
+from power.sim.board import SimBoard
+from power.sim.kernel import FakeKernel
+from power.sim.physics import LatencyNoise, physics_for
+from power.sim.serving import ServingConfig, run_serving
+from power.sim.traces import Trace, periodic
+from power.sleep import (
+    RAILGATE_SHORT_MS,
+    IdleForecast,
+    RailgatePlanner,
+    SleepDepth,
+    SleepPlanner,
+    default_depth,
+)
+from power.types import Completion, LoadSample, PowerPolicy, PowerState
+from tests.power_boards import fake_board
 from tests.power_doubles import FakeClock, StrictBoard, serve
 
 
 def quiet(controller: Controller, clock: FakeClock, seconds: float, arrivals: int) -> None:
     """Step the controller through ``seconds`` with no request."""
-    for _ in range(int(round(seconds / 0.05))):
+    for _ in range(round(seconds / 0.05)):
         clock.advance(0.05)
         controller.step(LoadSample(time_s=clock.now_s, queue_depth=0, busy_instances=0,
                                    instances=1, arrivals_total=arrivals, completed_total=arrivals))
@@ -132,3 +152,77 @@ def test_the_wake_latency_of_the_first_request_is_measured_and_exported() -> Non
     assert status["state"] == "active"
     assert status["wake_ms"] is not None and 0.0 <= status["wake_ms"] < 50.0
     assert status["wake_call_ms"] is not None
+
+
+def test_the_railgate_planner_wants_long_gaps_with_hysteresis() -> None:
+    planner = RailgatePlanner()
+    need = planner.need_s
+    assert need == pytest.approx(0.010 + 0.004 + 0.004 * 2000.0 / 780.0)
+
+    def batches(gap_s: float, count: int, start_s: float) -> list[Completion]:
+        out, now = [], start_s
+        for _ in range(count):
+            now += gap_s + 0.030
+            out.append(Completion(time_s=now, total_s=0.031, compute_s=0.030))
+        return out
+
+    planner.observe(batches(0.170, 7, 0.0))
+    assert planner.gap_quantile_s() is None  # 6 gaps: too few to judge
+    assert not planner.wants_short(short_now=False) and planner.wants_short(short_now=True)
+    planner.observe(batches(0.170, 10, 2.0))
+    assert planner.wants_short(short_now=False)
+    # Gaps between the need and twice it: kept short, not entered.
+    planner.observe(batches(1.5 * need, 16, 5.0))
+    assert planner.wants_short(short_now=True) and not planner.wants_short(short_now=False)
+    # Back to back (continuous load): not even kept.
+    planner.observe(batches(0.0, 16, 9.0))
+    assert planner.gap_quantile_s() == 0.0 and not planner.wants_short(short_now=True)
+
+
+def _delay_over_a_trace(tmp_path: Path, trace: Trace) -> tuple[list[tuple[float, int]], str]:
+    """Serve ``trace`` on the simulated Orin Nano under the production controller; the rail-gate
+    delay file (ms) at every step, and the file after the stop."""
+    tree = fake_board(tmp_path, "orin-nano", 6, mode_id=2)
+    kernel = FakeKernel(tree.root, 6)
+    board = SimBoard(root=tree.root, physics=physics_for("orin-nano-super"), kernel=kernel)
+    ours = OurGovernor(board, PowerPolicy(latency_target_s=0.050), kernel)
+    delay = f"{tree.gpu_device_dir}/railgate_delay"
+    seen: list[tuple[float, int]] = []
+    step = ours.step
+
+    def recording(load: LoadSample, completions: Sequence[Completion]) -> None:
+        step(load, completions)
+        seen.append((load.time_s, read_int(tree.root, delay)))
+
+    ours.step = recording  # type: ignore[method-assign]
+    run_serving(board, trace, ours, config=ServingConfig(), noise=LatencyNoise(board.physics, 3))
+    return seen, tree.get(delay)
+
+
+def test_the_controller_gates_the_gpu_between_frames_and_gives_it_back_under_continuous_load(
+        tmp_path: Path) -> None:
+    frames = periodic(duration_s=10.0, seed=2).arrivals_s
+    rng = random.Random(5)
+    flood, now = [], 10.0
+    while now < 16.0:  # ~80 req/s: batches close behind each other
+        now += rng.expovariate(80.0)
+        flood.append(now)
+    trace = Trace(name="mixed", description="5 Hz, then near capacity",
+                  arrivals_s=(*frames, *flood), duration_s=16.0)
+    seen, after = _delay_over_a_trace(tmp_path, trace)
+    short = [time_s for time_s, ms in seen if ms == RAILGATE_SHORT_MS]
+    assert short and short[0] < 5.0  # shortened within a few seconds of frames
+    assert all(ms == RAILGATE_SHORT_MS for time_s, ms in seen if 6.0 <= time_s < 10.0)
+    assert all(ms == 500 for time_s, ms in seen if time_s >= 13.0)  # given back under the flood
+    assert after == "500"  # and the board's own after the stop
+
+
+def test_a_target_without_room_for_the_unrailgate_keeps_the_delay(tmp_path: Path) -> None:
+    tree = fake_board(tmp_path, "orin-nano", 6, mode_id=2)
+    kernel = FakeKernel(tree.root, 6)
+    board = SimBoard(root=tree.root, physics=physics_for("orin-nano-super"), kernel=kernel)
+    # A 10 ms target: the job takes 8 ms at the top clocks, no room for a 4 ms unrailgate.
+    ours = OurGovernor(board, PowerPolicy(latency_target_s=0.010), kernel)
+    run_serving(board, periodic(duration_s=8.0, seed=2), ours, config=ServingConfig(),
+                noise=LatencyNoise(board.physics, 3))
+    assert all(path != f"{tree.gpu_device_dir}/railgate_delay" for path, _ in kernel.log)
