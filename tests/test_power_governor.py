@@ -152,9 +152,6 @@ def test_a_ramp_moves_the_gpu_one_way_without_reversals(capsys: pytest.CaptureFi
         arrivals += poisson(rng, start + second, start + second + 1, 5.0 + 2.0 * second)
     _, result = run(arrivals, start + 40, clock, board)
     gpu = [point[0] or 0 for point in changes_between(result, start + 3, start + 40)]
-    for d in result.decisions:
-        if d.changed:
-            print(round(d.time_s - start, 2), d.reason, d.point.gpu_max_hz, d.point.cpu_max_khz, d.point.emc_hz)
     assert reversals(gpu) <= 1, gpu
     assert result.miss_share(TARGET_S) <= 0.01
 
