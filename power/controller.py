@@ -37,8 +37,17 @@ from power.latency_model import PointKey
 from power.sleep import RailgatePlanner, SleepPlanner, default_depth
 from power.thermal_guard import ThermalCap, ThermalGuard
 from power.types import (
-    TRANSITIONS, ApplyResult, BoardControl, ClockTable, Completion, Decision, LoadSample,
-    OperatingPoint, PowerPolicy, PowerState, Telemetry,
+    TRANSITIONS,
+    ApplyResult,
+    BoardControl,
+    ClockTable,
+    Completion,
+    Decision,
+    LoadSample,
+    OperatingPoint,
+    PowerPolicy,
+    PowerState,
+    Telemetry,
 )
 
 log = logging.getLogger(__name__)
@@ -51,9 +60,9 @@ SIZE_LEAST = 30  # requests in a busy period before its P99 corrects the wake's 
 SIZE_LOW, SIZE_HIGH = 0.75, 0.90  # its P99 under / over these shares of the target ...
 SIZE_UP, SIZE_DOWN = 1.05, 0.85  # ... scales the share the next wake is sized for by these
 SIZE_SHARE_MIN, SIZE_SHARE_MAX = 0.70, 1.15
-COLD_AFTER_S = 8.0
+COLD_AFTER_S = 8.0  # idle this long: a wake boosts to the top point
 QUIET_S = 0.1  # no request this long while active: park the clocks until the next
-QUIET_GAPS = 3.0  # ... and never sooner than this many of the stream's mean gaps  # idle this long: a wake boosts to the top point
+QUIET_GAPS = 3.0  # ... and never sooner than this many of the stream's mean gaps
 RAILGATE_HOLD_S = 2.0  # the rail-gate delay changes at most this often
 RAILGATE_WINDOW_S = 10.0  # the P99 the latency room is judged on
 RAILGATE_ROOM_ENTER = 0.80  # shorten the delay only if P99 + the unrailgate stays under this share
@@ -153,6 +162,8 @@ class Controller:
         self._gate_long_ms: int | None = None  # the board's own rail-gate delay (restored)
         self._gate_short = False  # the delay is shortened (the GPU gates between frames)
         self._gate_changed_s = -float("inf")
+        self._gate_degraded = False  # the board cannot write the delay (given up for good)
+        self._gate_warned = False  # a failed write of the delay was warned about
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -486,8 +497,8 @@ class Controller:
         load goes continuous or the room goes."""
         planner = self._railgate
         long_ms = self._gate_long_ms
-        if long_ms is None or long_ms <= planner.short_ms:
-            return  # no delay to change here, or the board's own is short already
+        if long_ms is None or long_ms <= planner.short_ms or self._gate_degraded:
+            return  # no delay to change here, the board's own is short already, or no writes
         want = planner.wants_short(short_now=self._gate_short)
         p99 = self._require_governor().observed_p99_s(RAILGATE_WINDOW_S, now_s)
         target = self.policy.latency_target_s
@@ -499,22 +510,47 @@ class Controller:
         if want != self._gate_short and now_s - self._gate_changed_s >= RAILGATE_HOLD_S:
             self._set_railgate_delay(want, now_s)
 
+    @property
+    def railgate_short(self) -> bool:
+        """Whether the GPU's rail-gate delay is shortened (as last read back from the board)."""
+        return self._gate_short
+
     def _set_railgate_delay(self, short: bool, now_s: float) -> None:
-        """The short delay (rail-gating allowed with it), or the board's own back."""
+        """The short delay (rail-gating allowed with it), or the board's own back. What the
+        controller believes afterwards is what the board reads back: a write refused, skipped
+        (a read-only file degrades the control) or read back different changes nothing, and is
+        tried again no sooner than the hold."""
         if short == self._gate_short or self._gate_long_ms is None:
             return
-        point = OperatingPoint(gpu_railgate_delay_ms=self._railgate.short_ms,
-                               gpu_railgate=True) if short else OperatingPoint(
-            gpu_railgate_delay_ms=self._gate_long_ms)
+        wanted_ms = self._railgate.short_ms if short else self._gate_long_ms
+        point = OperatingPoint(gpu_railgate_delay_ms=wanted_ms,
+                               gpu_railgate=True if short else None)
         started_cpu = time.process_time()
         result = self.board.apply(point)
         self._board_cpu_s += time.process_time() - started_cpu
-        self._gate_short = short
         self._gate_changed_s = now_s
-        log.info("GPU rail-gate delay %d ms (%s)%s", point.gpu_railgate_delay_ms or 0,
-                 "gating between requests" if short else "the board's own",
-                 "" if result.ok and not result.unsupported else
-                 f": {'; '.join([*(m.path for m in result.mismatches), *result.unsupported])}")
+        read_back_ms = result.applied.gpu_railgate_delay_ms
+        if result.ok and read_back_ms == wanted_ms:
+            self._gate_short = short
+            self._gate_warned = False
+            log.info("GPU rail-gate delay %d ms (%s)", wanted_ms,
+                     "gating between requests" if short else "the board's own")
+            return
+        if read_back_ms is not None:
+            # Whatever the board holds now decides (a delay at the short one or under is short).
+            self._gate_short = read_back_ms <= self._railgate.short_ms
+        if any(item.startswith("railgate_delay:") for item in result.unsupported):
+            # The board gave the control up (no file, no permission): for good, so stop asking.
+            self._gate_degraded = True
+        problems = [*(f"{m.path} wanted {m.wanted} found {m.found}" for m in result.mismatches),
+                    *result.unsupported]
+        # Warned once until a write takes again (a refusing file would otherwise be warned about
+        # every hold).
+        log.log(logging.DEBUG if self._gate_warned else logging.WARNING,
+                "GPU rail-gate delay %d ms not in force (it reads %s)%s", wanted_ms,
+                "nothing" if read_back_ms is None else f"{read_back_ms} ms",
+                f": {'; '.join(problems)}" if problems else "")
+        self._gate_warned = True
 
     def _set_state(self, state: PowerState, now_s: float) -> None:
         if state is self.state:

@@ -4,8 +4,10 @@ rail-gate delay shortened between frames of a periodic load and given back (SIMU
 
 from __future__ import annotations
 
+import errno
+import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -179,11 +181,32 @@ def test_the_railgate_planner_wants_long_gaps_with_hysteresis() -> None:
     assert planner.gap_quantile_s() == 0.0 and not planner.wants_short(short_now=True)
 
 
-def _delay_over_a_trace(tmp_path: Path, trace: Trace) -> tuple[list[tuple[float, int]], str]:
+class RefusingKernel(FakeKernel):
+    """The simulator's kernel, where the rail-gate delay file refuses every write: ``EACCES``
+    (root-only, the agent a user) or ``EINVAL`` (a kernel that takes no delay this short); the
+    attempts are counted."""
+
+    def __init__(self, root: Path, jetpack: int, *, error: int) -> None:
+        super().__init__(root, jetpack)
+        self.error = error
+        self.delay_attempts: list[str] = []
+
+    def write(self, relpath: str, value: str) -> None:
+        if relpath.endswith("/railgate_delay"):
+            self.delay_attempts.append(value)
+            raise OSError(self.error, os.strerror(self.error), str(self.root / relpath))
+        super().write(relpath, value)
+
+
+def _delay_over_a_trace(tmp_path: Path, trace: Trace,
+                        kernel_for: Callable[[Path], FakeKernel] | None = None
+                        ) -> tuple[list[tuple[float, int]], str]:
     """Serve ``trace`` on the simulated Orin Nano under the production controller; the rail-gate
-    delay file (ms) at every step, and the file after the stop."""
+    delay file (ms) at every step, and the file after the stop. At every step the controller
+    takes the delay as short exactly when the file holds the short one. ``kernel_for``: the
+    kernel over the tree's root (default: the simulator's own)."""
     tree = fake_board(tmp_path, "orin-nano", 6, mode_id=2)
-    kernel = FakeKernel(tree.root, 6)
+    kernel = FakeKernel(tree.root, 6) if kernel_for is None else kernel_for(tree.root)
     board = SimBoard(root=tree.root, physics=physics_for("orin-nano-super"), kernel=kernel)
     ours = OurGovernor(board, PowerPolicy(latency_target_s=0.050), kernel)
     delay = f"{tree.gpu_device_dir}/railgate_delay"
@@ -192,7 +215,9 @@ def _delay_over_a_trace(tmp_path: Path, trace: Trace) -> tuple[list[tuple[float,
 
     def recording(load: LoadSample, completions: Sequence[Completion]) -> None:
         step(load, completions)
-        seen.append((load.time_s, read_int(tree.root, delay)))
+        ms = read_int(tree.root, delay)
+        seen.append((load.time_s, ms))
+        assert ours.controller.railgate_short == (ms == RAILGATE_SHORT_MS), load.time_s
 
     ours.step = recording  # type: ignore[method-assign]
     run_serving(board, trace, ours, config=ServingConfig(), noise=LatencyNoise(board.physics, 3))
@@ -226,3 +251,30 @@ def test_a_target_without_room_for_the_unrailgate_keeps_the_delay(tmp_path: Path
     run_serving(board, periodic(duration_s=8.0, seed=2), ours, config=ServingConfig(),
                 noise=LatencyNoise(board.physics, 3))
     assert all(path != f"{tree.gpu_device_dir}/railgate_delay" for path, _ in kernel.log)
+
+
+
+@pytest.mark.parametrize("error", [errno.EACCES, errno.EINVAL])
+def test_a_delay_the_board_refuses_is_never_taken_as_short(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, error: int) -> None:
+    """A read-only delay file (the control degrades: asked once) or one that refuses the value
+    (asked again after each hold): 5 Hz frames want the short delay, the board keeps its own,
+    and the controller believes the board, not what it asked for."""
+    kernels: list[RefusingKernel] = []
+
+    def refusing(root: Path) -> FakeKernel:
+        kernels.append(RefusingKernel(root, 6, error=error))
+        return kernels[-1]
+
+    with caplog.at_level("WARNING", logger="power.controller"):
+        seen, after = _delay_over_a_trace(tmp_path, periodic(duration_s=12.0, seed=2),
+                                          kernel_for=refusing)
+    attempts = kernels[0].delay_attempts
+    assert attempts and set(attempts) == {str(RAILGATE_SHORT_MS)}
+    if error == errno.EACCES:
+        assert len(attempts) == 1  # degraded: not asked again
+    else:
+        assert len(attempts) >= 3  # 12 s of frames, a try every 2 s once the gaps are known
+    assert seen and all(ms == 500 for _, ms in seen) and after == "500"
+    warned = [r.getMessage() for r in caplog.records if "rail-gate delay" in r.getMessage()]
+    assert len(warned) == 1 and "not in force (it reads 500 ms)" in warned[0]
