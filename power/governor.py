@@ -42,7 +42,10 @@ MISS_HEADROOM = 0.70  # after a miss: aim this far under the target
 UP_HEADROOM = 0.95  # going up: aim this far under the target, so one step is enough
 DOWN_BAND = 0.85  # going down: the new point must meet this share of the target
 DOWN_COST_GAIN = 0.97  # ... and cost at most this share of the point in force
-DOWN_HOLD_S = 1.5  # no move down sooner than this after any change
+DOWN_HOLD_S = 1.5  # no move down sooner than this after any change ...
+ROOMY_HOLD_S = 0.3  # ... or, for the first move down, than this where the point in force has
+ROOMY_LEAST = 2  # plenty of room: this many requests answered there, each within this share
+ROOMY_SHARE = 0.4  # of the target
 DOWN_AFTER_UP_S = 3.0  # ... nor this soon after a move up
 MISS_HOLD_S = 1.0  # a miss counts against its point, and blocks moves down, this long
 MAX_UTILISATION = 0.80  # never plan a point busier than this at the current arrival rate
@@ -190,7 +193,7 @@ class _RatioBuckets:
         self._ratios[index].append(ratio)
         self._dirty[index] = True
 
-    def refresh(self, quantile: float, least: int = 30) -> None:
+    def refresh(self, quantile: float, least: int = 20) -> None:
         for index, ratios in enumerate(self._ratios):
             if self._dirty[index] and len(ratios) >= least:
                 ordered = sorted(ratios)
@@ -251,6 +254,7 @@ class Governor:
         self._fresh_miss_s = 0.0  # the worst miss at the point in force, while fresh
         self._fresh_miss_at_s = -math.inf
         self._last_down_check_s = -math.inf
+        self._moved_down = False  # a move down was made (the short first hold is spent)
         self._power_scale = 1.0  # measured / estimated draw
         self.recent: deque[tuple[float, float]] = deque(maxlen=400)  # (time, total_s)
         self._held: deque[float] = deque(maxlen=200)  # totals at the point in force, since it was
@@ -556,8 +560,13 @@ class Governor:
             # A miss is an emergency (misses cluster, K26: the next is likely to miss too).
             return self._go(Choice(key=key, reason=reason, predicted_s=p99,
                                    emergency=capped or missed), now)
-        # The point in force meets the target: move down only with slack, after a hold.
-        if (now - self._last_change_s >= DOWN_HOLD_S and now - self._last_up_s >= DOWN_AFTER_UP_S
+        # The point in force meets the target: move down only with slack, after a hold (for
+        # the first move down, where the first few answers had plenty of room, a short one:
+        # the start's top point is far more than a light load needs, and every second there
+        # costs several watts; later, after a wake's boost or a move up, the full hold, as a
+        # burst's first answers say little about its rest).
+        hold_s = ROOMY_HOLD_S if not self._moved_down and self._roomy() else DOWN_HOLD_S
+        if (now - self._last_change_s >= hold_s and now - self._last_up_s >= DOWN_AFTER_UP_S
                 and now - self._last_miss_s >= MISS_HOLD_S
                 and (self._rate.slow_hz <= DOWN_RATE_FALL * self._rate_at_up_hz
                      or (now - self._last_up_s >= DOWN_EXPLORE_S
@@ -567,7 +576,10 @@ class Governor:
             found = self.best(now, DOWN_BAND, cap, anchored=True, down=True)
             if found is not None and found[0] != current \
                     and self.cost(found[0]) < DOWN_COST_GAIN * self.cost(current):
-                return self._go(Choice(key=found[0], reason="slack", predicted_s=found[1]), now)
+                choice = self._go(Choice(key=found[0], reason="slack", predicted_s=found[1]),
+                                  now)
+                self._moved_down = self._moved_down or choice.key == found[0]
+                return choice
         return Choice(key=current, reason="steady", predicted_s=current_p99)
 
     def _halfway_up(self, current: PointKey, top: PointKey) -> PointKey:
@@ -617,6 +629,13 @@ class Governor:
             self._rate_at_change_hz = self._rate.planning_hz
             self._chosen_p99_s = None
         self.current = key
+
+    def _roomy(self) -> bool:
+        """Every request answered at the point in force (a few at least) was far under the
+        target: a move down need not wait the full hold to learn more about this point."""
+        held = self._held
+        return len(held) >= ROOMY_LEAST and \
+            max(held) <= ROOMY_SHARE * self.policy.latency_target_s
 
     def _rate_rising(self) -> bool:
         """The load is well above what the point in force was chosen for."""

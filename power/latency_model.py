@@ -30,6 +30,8 @@ RATIO_WINDOW = 2000  # residual ratios kept for the margin
 ROBUST_AFTER = 20  # samples in a table before its updates are clipped
 ROBUST_SHARE = 0.25  # of the prediction: the largest error one sample may pull with
 TAIL_REFRESH = 50  # recompute the cached quantiles every this many samples
+TAIL_LEAST = 20  # ratios before their quantile is the margin ...
+TAIL_GUESS = 1.5  # ... and the margin until then
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,15 +163,17 @@ class LatencyModel:
         self.version += 1
 
     def tail_ratio(self, quantile: float) -> float:
-        """The ``quantile`` of observed/predicted over the recent window (1.0 before any)."""
+        """The ``quantile`` of observed/predicted over the recent window (:data:`TAIL_GUESS` before
+        :data:`TAIL_LEAST` of them)."""
         cached = self._tail_cache.get(quantile)
         if cached is not None:
             return cached
-        if len(self._ratios) < 20:
-            value = 1.5  # too few to tell: a generous margin
-        else:
-            ordered = sorted(self._ratios)
-            value = ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+        if len(self._ratios) < TAIL_LEAST:
+            # Too few to tell: a generous margin, not cached (the cache lasts TAIL_REFRESH
+            # samples, and would keep this guess well past the TAIL_LEAST-th ratio).
+            return TAIL_GUESS
+        ordered = sorted(self._ratios)
+        value = ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
         self._tail_cache[quantile] = value
         return value
 

@@ -3,21 +3,29 @@ loads, the change ration, and its emergencies (a queue it cannot drain, a miss).
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from power.controller import Controller
-from power.governor import Governor, changed_domains, cpu_levels
-from power.latency_model import LatencyModel, PointKey
+from power.governor import DOWN_HOLD_S, Governor, changed_domains, cpu_levels
+from power.latency_model import TAIL_GUESS, TAIL_LEAST, LatencyModel, PointKey
 from power.types import Completion, LoadSample, PowerPolicy
-from tests.power_doubles import ORIN_NANO_TABLE, FakeClock, ServeResult, StrictBoard, serve
+from tests.power_doubles import (
+    ORIN_NANO_TABLE,
+    FakeClock,
+    ServeResult,
+    StrictBoard,
+    serve,
+)
 
 TARGET_S = 0.050
 
 
 def poisson(rng: random.Random, start_s: float, end_s: float, rate_hz: float) -> list[float]:
-    times, now = [], start_s
+    times: list[float] = []
+    now = start_s
     while True:
         now += rng.expovariate(rate_hz)
         if now >= end_s:
@@ -44,8 +52,8 @@ def changes_between(result: ServeResult, start_s: float, end_s: float) -> list[t
 
 def reversals(values: list[int]) -> int:
     """How often a sequence changes direction (up then down, or down then up)."""
-    steps = [b - a for a, b in zip(values, values[1:]) if b != a]
-    return sum(1 for a, b in zip(steps, steps[1:]) if (a > 0) != (b > 0))
+    steps = [b - a for a, b in itertools.pairwise(values) if b != a]
+    return sum(1 for a, b in itertools.pairwise(steps) if (a > 0) != (b > 0))
 
 
 # -- the latency model ---------------------------------------------------------------------
@@ -103,6 +111,20 @@ def test_the_margin_is_a_quantile_of_the_observed_ratio_not_a_sigma() -> None:
     assert model.tail_ratio(0.995) > 2.0  # a mean + 3 sigma of this sample would say ~1.45
 
 
+def test_the_margin_is_the_observed_quantile_as_soon_as_enough_ratios_are_known() -> None:
+    """The generous guess before :data:`TAIL_LEAST` ratios is not kept once they are there
+    (it once stayed cached for the first 50 samples: 10 s of a 5 Hz stream)."""
+    model = LatencyModel(gpu_ref_hz=1020000000, cpu_ref_khz=1728000)
+    key = PointKey(gpu_hz=1020000000, cpu_khz=1728000, emc_hz=3199000000)
+    rng = random.Random(7)
+    model.observe(key, 0.008)
+    for _ in range(TAIL_LEAST - 1):
+        model.observe(key, 0.008 * rng.uniform(0.98, 1.02))
+        assert model.tail_ratio(0.995) == TAIL_GUESS  # too few yet
+    model.observe(key, 0.008 * rng.uniform(0.98, 1.02))
+    assert model.tail_ratio(0.995) < 1.05  # the ratios' own quantile, at the TAIL_LEAST-th
+
+
 # -- convergence and oscillation -----------------------------------------------------------
 
 def test_a_step_load_converges_without_oscillating() -> None:
@@ -156,6 +178,36 @@ def test_a_ramp_moves_the_gpu_one_way_without_reversals(capsys: pytest.CaptureFi
     assert result.miss_share(TARGET_S) <= 0.01
 
 
+def first_move_down_s(result: ServeResult, start_s: float) -> float:
+    moves = [d.time_s for d in result.decisions if d.changed and d.reason == "slack"]
+    assert moves, "it never moved down"
+    return moves[0] - start_s
+
+
+@pytest.mark.parametrize("target_s", [0.050, 0.016])
+def test_the_top_point_is_left_early_only_when_its_answers_are_far_under_the_target(
+        target_s: float) -> None:
+    """5 Hz frames from a start at the top (8 ms a request): with a 50 ms target its first
+    answers have room to spare, so the first move down comes a few frames in, before the usual
+    hold; with a 16 ms target they are half of it, and the move down waits the full hold."""
+    clock = FakeClock()
+    board = StrictBoard(clock=clock)
+    start = clock.now_s
+    arrivals = [start + 0.1 + 0.2 * i for i in range(40)]
+    _, result = run(arrivals, start + 8.2, clock, board, PowerPolicy(latency_target_s=target_s))
+    assert result.miss_share(target_s) == 0.0
+    first = first_move_down_s(result, start)
+    if target_s == 0.050:
+        assert first < DOWN_HOLD_S - 0.5, first
+    else:
+        assert first >= DOWN_HOLD_S, first
+    # Only the first move down is early: each later one waits the full hold after a change.
+    changes = [d for d in result.decisions if d.changed]
+    for before, after in itertools.pairwise(changes):
+        if after.reason == "slack" and after.time_s - start > first:
+            assert after.time_s - before.time_s >= DOWN_HOLD_S, (before, after)
+
+
 def test_clock_changes_stay_within_the_ration() -> None:
     clock = FakeClock()
     board = StrictBoard(clock=clock)
@@ -180,7 +232,7 @@ def test_a_queue_the_point_cannot_drain_goes_up_at_once() -> None:
     start = clock.now_s
     # A slow trickle teaches it a low point, then 40 requests arrive at once.
     arrivals = [start + 0.1 + 0.25 * i for i in range(64)] + [start + 16.02] * 40
-    controller, result = run(arrivals, start + 17, clock, board)
+    _controller, result = run(arrivals, start + 17, clock, board)
     before = [d for d in result.decisions if d.time_s < start + 16.02 and d.changed]
     assert before and (before[-1].point.gpu_max_hz or 0) < 1020000000
     assert before[-1].reason == "slack"  # not parked: the burst finds the learned point
@@ -195,7 +247,7 @@ def test_a_miss_sends_it_up_before_the_next_request() -> None:
     start = clock.now_s
     arrivals = [start + 0.1 + 0.1 * i for i in range(150)]
     # A slow spell from 10 s: every batch started in it takes twice as long.
-    slow = lambda now_s: 2.0 if start + 10.0 <= now_s < start + 10.4 else 1.0  # noqa: E731
+    slow = lambda now_s: 2.0 if start + 10.0 <= now_s < start + 10.4 else 1.0
     controller = Controller(board, PowerPolicy(latency_target_s=TARGET_S), clock=clock)
     controller.start()
     result = serve(controller, board, clock, arrivals, until_s=start + 15, slow=slow)
