@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -110,9 +111,34 @@ def test_a_crash_between_the_temporary_write_and_the_rename_keeps_the_old_journa
     leftovers = [path.name for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
     assert len(leftovers) == 1  # the complete temporary file the rename never moved
     assert journal.path.read_bytes() == before
-    loaded = journal.load()
+    assert journal.load().doc == full_doc()  # a plain reader leaves the temporary file alone
+    assert len([path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]) == 1
+    loaded = journal.load(recover=True)
     assert loaded.problem is None and loaded.doc == full_doc()
     assert not [path for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
+
+
+def test_a_reader_polling_the_journal_never_breaks_the_writer(tmp_path: Path) -> None:
+    # A status command or a test may read while the daemon writes: the reader must not take the
+    # writer's temporary file away between its write and its rename.
+    journal, stop, problems = Journal(tmp_path), threading.Event(), []
+
+    def read() -> None:
+        while not stop.is_set():
+            loaded = Journal(tmp_path).load()
+            if loaded.problem is not None:
+                problems.append(loaded.problem)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(300):
+            journal.write(full_doc())
+    finally:
+        stop.set()
+        reader.join()
+    assert problems == []
+    assert journal.load().doc == full_doc()
 
 
 def truncated(text: str) -> str:
@@ -155,7 +181,9 @@ def test_an_unusable_journal_is_moved_aside_and_the_updater_starts_idle(tmp_path
     journal.write(full_doc())
     broken = damage(journal.path.read_text())  # type: ignore[operator]
     journal.path.write_text(broken)
-    loaded = journal.load()
+    looked = journal.load()  # a plain reader names the problem and moves nothing
+    assert looked.problem and looked.moved_aside is None and journal.path.read_text() == broken
+    loaded = journal.load(recover=True)
     assert loaded.existed and loaded.problem
     assert loaded.doc.state is UpdateState.IDLE and loaded.doc.update is None
     assert loaded.moved_aside is not None and loaded.moved_aside.name.startswith(
@@ -167,7 +195,7 @@ def test_an_unusable_journal_is_moved_aside_and_the_updater_starts_idle(tmp_path
 def test_a_journal_of_a_newer_schema_is_moved_aside_with_its_schema_named(tmp_path: Path) -> None:
     journal = Journal(tmp_path)
     journal.path.write_text(json.dumps({"schema_version": 7, "state": "quantum"}))
-    loaded = journal.load()
+    loaded = journal.load(recover=True)
     assert loaded.moved_aside is not None
     assert loaded.moved_aside.name.startswith(f"{JOURNAL_FILE}.schema-7-")
     assert "schema 7" in (loaded.problem or "") and loaded.doc.state is UpdateState.IDLE
@@ -176,7 +204,7 @@ def test_a_journal_of_a_newer_schema_is_moved_aside_with_its_schema_named(tmp_pa
 def test_an_oversized_or_special_journal_is_moved_aside(tmp_path: Path) -> None:
     journal = Journal(tmp_path)
     journal.path.write_bytes(b" " * (4 * 1024 * 1024 + 1))
-    loaded = journal.load()
+    loaded = journal.load(recover=True)
     assert loaded.moved_aside is not None and "cannot be read" in (loaded.problem or "")
 
 

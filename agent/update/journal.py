@@ -319,32 +319,40 @@ class Journal:
         self.path = Path(state_dir) / JOURNAL_FILE
         self.history_limit = history_limit
 
-    def load(self) -> JournalLoad:
-        """The journal's document; a fresh idle one when there is none or it is unusable (then
-        moved aside). Never raises for the file's content; only for a bug."""
-        self._remove_temporaries()
+    def load(self, *, recover: bool = False) -> JournalLoad:
+        """The journal's document; a fresh idle one when there is none or it is unusable. Never
+        raises for the file's content; only for a bug.
+
+        Args:
+            recover: Only for the updater's own start, before anything writes: also remove the
+                temporary files of writes a crash interrupted and move an unusable journal
+                aside. Any other reader (a status command, a test polling a running daemon)
+                leaves the directory alone, since a temporary file may be a write in flight.
+        """
+        if recover:
+            self._remove_temporaries()
         try:
             raw = read_bounded(self.path, MAX_JOURNAL_BYTES, regular_only=True)
         except FileNotFoundError:
             return JournalLoad(JournalDoc(), existed=False)
         except (OSError, FileTooLargeError, ValueError) as exc:
-            return self._set_aside("corrupt", f"the journal cannot be read: {exc}")
+            return self._unusable("corrupt", f"the journal cannot be read: {exc}", recover)
         try:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
-            return self._set_aside("corrupt", f"the journal is not valid JSON: {exc}")
+            return self._unusable("corrupt", f"the journal is not valid JSON: {exc}", recover)
         schema = data.get("schema_version") if isinstance(data, dict) else None
         if isinstance(schema, int) and not isinstance(schema, bool) and schema > SCHEMA_VERSION:
-            return self._set_aside(f"schema-{schema}",
-                                   f"the journal has schema {schema}, newer than this agent's "
-                                   f"{SCHEMA_VERSION}")
+            return self._unusable(f"schema-{schema}",
+                                  f"the journal has schema {schema}, newer than this agent's "
+                                  f"{SCHEMA_VERSION}", recover)
         if schema != SCHEMA_VERSION:
-            return self._set_aside("corrupt", f"the journal's schema_version is {schema!r}, "
-                                              f"expected {SCHEMA_VERSION}")
+            return self._unusable("corrupt", f"the journal's schema_version is {schema!r}, "
+                                             f"expected {SCHEMA_VERSION}", recover)
         try:
             doc = JournalDoc.from_json(data)
         except JournalFormatError as exc:
-            return self._set_aside("corrupt", f"the journal is malformed: {exc}")
+            return self._unusable("corrupt", f"the journal is malformed: {exc}", recover)
         return JournalLoad(doc, existed=True)
 
     def write(self, doc: JournalDoc) -> None:
@@ -381,6 +389,11 @@ class Journal:
                     os.unlink(entry.path)
                 except OSError as exc:
                     log.warning("could not remove %s: %s", entry.path, exc)
+
+    def _unusable(self, label: str, problem: str, recover: bool) -> JournalLoad:
+        if recover:
+            return self._set_aside(label, problem)
+        return JournalLoad(JournalDoc(), existed=True, problem=problem)
 
     def _set_aside(self, label: str, problem: str) -> JournalLoad:
         stamp = utc_now().replace(":", "").replace("-", "")

@@ -409,7 +409,8 @@ class Updater:
         self._loop_thread = threading.get_ident()
         self._lock = asyncio.Lock()
         self._write_lock = asyncio.Lock()
-        loaded = await self._loop.run_in_executor(None, self.journal.load)
+        loaded = await self._loop.run_in_executor(
+            None, partial(self.journal.load, recover=True))
         self._doc = loaded.doc
         self._since = time.monotonic()  # a resumed state's deadline counts from the restart
         if loaded.problem is not None:
