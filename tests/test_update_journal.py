@@ -100,6 +100,28 @@ Journal(Path(sys.argv[1])).write(JournalDoc(state=UpdateState.FAILED))
 """
 
 
+def test_each_write_encodes_the_whole_document_as_it_is_now(tmp_path: Path) -> None:
+    # The history entries are encoded once and kept: every write must still be the document
+    # exactly as it is, through trims, repeats and awkward text.
+    journal, doc = Journal(tmp_path, history_limit=5), full_doc()
+    awkward = ['quote " backslash \\ newline \n tab \t', "\u00e9\u2603 \U0001f600", "", "}]"]
+    for step in range(12):
+        doc.history.append(Event(at=f"2024-05-01T12:00:{step:02d}.000Z", update_id=f"u{step}",
+                                 from_state=UpdateState.DOWNLOADING,
+                                 to_state=UpdateState.VERIFYING, reason="note",
+                                 detail=awkward[step % len(awkward)]))
+        if step % 3 == 0:
+            doc.history.append(doc.history[-1])  # the same entry twice
+        doc.state = UpdateState.VERIFYING if step % 2 else UpdateState.DOWNLOADING
+        journal.write(doc)
+        text = journal.path.read_text()
+        assert json.loads(text) == doc.to_json()
+        assert len(doc.history) <= 5 and journal.load().doc == doc
+    doc.history.clear()
+    journal.write(doc)
+    assert json.loads(journal.path.read_text())["history"] == []
+
+
 def test_a_crash_between_the_temporary_write_and_the_rename_keeps_the_old_journal(
         tmp_path: Path) -> None:
     journal = Journal(tmp_path)

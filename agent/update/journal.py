@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.errors import InternalError
 from agent.fsutil import FileTooLargeError, atomic_write_text, fsync_dir, read_bounded
 from agent.update.states import UpdateState
 
@@ -258,17 +259,20 @@ class JournalDoc:
     bundles: dict[str, BundleAttempts] = field(default_factory=dict)
     last_outcome: Outcome | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def to_json(self, *, history: bool = True) -> dict[str, Any]:
+        """The document as JSON data; without ``history`` it has no ``history`` key at all."""
+        data: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "state": self.state.value,
             "entered_at": self.entered_at,
             "update": None if self.update is None else self.update.to_json(),
             "pending": None if self.pending is None else self.pending.to_json(),
-            "history": [event.to_json() for event in self.history],
             "bundles": {key: entry.to_json() for key, entry in self.bundles.items()},
             "last_outcome": None if self.last_outcome is None else self.last_outcome.to_json(),
         }
+        if history:
+            data["history"] = [event.to_json() for event in self.history]
+        return data
 
     @classmethod
     def from_json(cls, data: object) -> JournalDoc:
@@ -318,6 +322,7 @@ class Journal:
     def __init__(self, state_dir: Path, *, history_limit: int = 200) -> None:
         self.path = Path(state_dir) / JOURNAL_FILE
         self.history_limit = history_limit
+        self._event_text: dict[int, tuple[Event, str]] = {}  # each entry's text, encoded once
 
     def load(self, *, recover: bool = False) -> JournalLoad:
         """The journal's document; a fresh idle one when there is none or it is unusable. Never
@@ -365,9 +370,32 @@ class Journal:
 
     def encode(self, doc: JournalDoc) -> str:
         """``doc`` as the journal's text, first dropping all but the newest ``history_limit``
-        history entries (from ``doc`` itself, so memory stays bounded too)."""
+        history entries (from ``doc`` itself, so memory stays bounded too).
+
+        The updater encodes on its event loop at every transition, and the history is most of
+        the document (200 entries: about 1 ms to encode whole with an indent, every request
+        waiting meanwhile). So each entry is encoded once, on one line of its own, and kept;
+        a write encodes only the small head and the entries new since the last one.
+        """
         del doc.history[:-self.history_limit]
-        return json.dumps(doc.to_json(), indent=1) + "\n"
+        known: dict[int, tuple[Event, str]] = self._event_text
+        encoded: dict[int, tuple[Event, str]] = {}
+        texts = []
+        for event in doc.history:
+            # By identity (an Event's own hash is slow Python): the cache holds the event, so
+            # its id cannot be reused while it is there.
+            entry = known.get(id(event))
+            if entry is None or entry[0] is not event:
+                entry = (event, json.dumps(event.to_json(), separators=(", ", ": ")))
+            encoded[id(event)] = entry
+            texts.append(entry[1])
+        self._event_text = encoded
+        head = json.dumps(doc.to_json(history=False), indent=1)
+        if not head.endswith("\n}"):
+            raise InternalError("the journal's head did not encode as an indented object")
+        entries = ",\n  ".join(texts)
+        history = f"[\n  {entries}\n ]" if doc.history else "[]"
+        return f'{head[:-2]},\n "history": {history}\n}}\n'
 
     def write_encoded(self, text: str) -> None:
         """Write text from :meth:`encode` crash-safe; a thread may do it, off the event loop.
