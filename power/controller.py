@@ -152,6 +152,8 @@ class Controller:
         self._after_first_key: PointKey | None = None
         self._engine_released = False
         self._active_key: PointKey | None = None  # the governor's last choice while active
+        # The point sized at the last park for the next wake: (key, rate, P99 estimate).
+        self._sized: tuple[PointKey, float, float] | None = None
         self._stock = False
         self._mode_before_sleep: int | None = None
         self._parked = False  # the lowest clocks until the next request (idle, sleep, quiet)
@@ -355,10 +357,11 @@ class Controller:
         if self._after_first_key is not None and self._woke_at_s is None:
             key, self._after_first_key = self._after_first_key, None
             result = self._apply(key, now, reason="first request answered: the sized point")
-            governor.placed(key, now)
+            self._place(key, now)
             return self._decide(now, changed=True, reason="after the wake", applied=result)
         choice = governor.choose(load, self._cap)
         self._active_key = choice.key
+        self._sized = None
         if choice.key != self._key:
             result = self._apply(choice.key, now, reason=choice.reason)
             return self._decide(now, changed=True, reason=choice.reason,
@@ -384,7 +387,7 @@ class Controller:
         self.wake_call_ms.append((time.perf_counter() - started) * 1000.0)
 
     def _wake(self, now_s: float, *, reason: str) -> None:
-        governor = self._require_governor()
+        self._require_governor()
         if self.state is PowerState.SLEEPING:
             self._set_state(PowerState.WAKING, now_s)
             if self._engine_released and self._on_engine is not None:
@@ -405,12 +408,21 @@ class Controller:
         self._apply(key, now_s, reason=f"wake ({reason})", nvpmodel_mode=mode)
         self._idle_since_s = None
         self._parked = False
-        governor.placed(key, now_s)
+        self._place(key, now_s)
         self._last_activity_s = now_s
         self._woke_at_s = now_s
         self._busy_since_s = now_s
         self._woke_key = key
         self._set_state(PowerState.ACTIVE, now_s)
+
+    def _place(self, key: PointKey, now_s: float) -> None:
+        """Tell the governor of a point a wake put in force, with the rate and estimate it was
+        sized for when it is the sized one."""
+        sized = self._sized
+        if sized is not None and sized[0] == key:
+            self._require_governor().placed(key, now_s, rate_hz=sized[1], predicted_s=sized[2])
+        else:
+            self._require_governor().placed(key, now_s)
 
     def _boost_key(self, *, cold: bool = False) -> PointKey:
         """The point a wake boosts to: the top after sleep or a long idle (the first request
@@ -448,7 +460,8 @@ class Controller:
             sized = governor.point_for_rate(now_s, governor.peak_rate_hz, self._cap,
                                             share_of_target=self._size_share)
             if sized is not None:
-                self._active_key = sized
+                self._active_key = sized[0]
+                self._sized = (sized[0], governor.peak_rate_hz, sized[1])
             governor.peak_rate_hz = 0.0
         key = governor.bottom
         result = None

@@ -46,7 +46,11 @@ DOWN_HOLD_S = 1.5  # no move down sooner than this after any change ...
 ROOMY_HOLD_S = 0.3  # ... or, for the first move down, than this where the point in force has
 ROOMY_LEAST = 2  # plenty of room: this many requests answered there, each within this share
 ROOMY_SHARE = 0.4  # of the target
-DOWN_AFTER_UP_S = 3.0  # ... nor this soon after a move up
+DOWN_AFTER_UP_S = 3.0  # ... nor this soon after a move up, unless explored:
+EXPLORE_AFTER_UP_S = 0.5  # once this long after a move up, one move down may be tried where
+EXPLORE_SHARE = 0.6  # the P99 observed at the new point is within this share of the target,
+EXPLORE_WAKE_S = 1.0  # the move up came this soon after a wake's boost (a burst's start), and
+# the arrival rate (both windows) is no higher than the move up was made for
 MISS_HOLD_S = 1.0  # a miss counts against its point, and blocks moves down, this long
 MAX_UTILISATION = 0.80  # never plan a point busier than this at the current arrival rate
 PREDICTION_REFRESH_S = 0.5  # re-predict every candidate at most this often
@@ -255,6 +259,8 @@ class Governor:
         self._fresh_miss_at_s = -math.inf
         self._last_down_check_s = -math.inf
         self._moved_down = False  # a move down was made (the short first hold is spent)
+        self._explored = False  # the last move up was explored down already
+        self._placed_s = -math.inf  # when the controller last placed a point (a wake, a park)
         self._power_scale = 1.0  # measured / estimated draw
         self.recent: deque[tuple[float, float]] = deque(maxlen=400)  # (time, total_s)
         self._held: deque[float] = deque(maxlen=200)  # totals at the point in force, since it was
@@ -479,11 +485,11 @@ class Governor:
         return best
 
     def point_for_rate(self, now_s: float, rate_hz: float, cap: ThermalCap | None = None,
-                       share_of_target: float = UP_HEADROOM) -> PointKey | None:
+                       share_of_target: float = UP_HEADROOM) -> tuple[PointKey, float] | None:
         """The cheapest point meeting the target (with the headroom of a move up) at
-        ``rate_hz``: what a wake boosts to when the next burst is like the last."""
-        found = self.best(now_s, share_of_target, cap, rate_hz=rate_hz)
-        return None if found is None else found[0]
+        ``rate_hz``, with its P99 estimate: what a wake boosts to when the next burst is like
+        the last."""
+        return self.best(now_s, share_of_target, cap, rate_hz=rate_hz)
 
     def cost(self, key: PointKey) -> float:
         draw = self._draw.get(key) or estimate_draw(key, self.table)
@@ -566,21 +572,42 @@ class Governor:
         # costs several watts; later, after a wake's boost or a move up, the full hold, as a
         # burst's first answers say little about its rest).
         hold_s = ROOMY_HOLD_S if not self._moved_down and self._roomy() else DOWN_HOLD_S
-        if (now - self._last_change_s >= hold_s and now - self._last_up_s >= DOWN_AFTER_UP_S
-                and now - self._last_miss_s >= MISS_HOLD_S
-                and (self._rate.slow_hz <= DOWN_RATE_FALL * self._rate_at_up_hz
-                     or (now - self._last_up_s >= DOWN_EXPLORE_S
-                         and self._rate.slow_hz <= self._rate_at_up_hz))
+        since_up_s = now - self._last_up_s
+        settled = (now - self._last_change_s >= hold_s and since_up_s >= DOWN_AFTER_UP_S
+                   and (self._rate.slow_hz <= DOWN_RATE_FALL * self._rate_at_up_hz
+                        or (since_up_s >= DOWN_EXPLORE_S
+                            and self._rate.slow_hz <= self._rate_at_up_hz)))
+        explore = not settled and self._explorable(now)
+        if ((settled or explore) and now - self._last_miss_s >= MISS_HOLD_S
                 and now - self._last_down_check_s >= DOWN_CHECK_S):
             self._last_down_check_s = now
             found = self.best(now, DOWN_BAND, cap, anchored=True, down=True)
             if found is not None and found[0] != current \
                     and self.cost(found[0]) < DOWN_COST_GAIN * self.cost(current):
-                choice = self._go(Choice(key=found[0], reason="slack", predicted_s=found[1]),
+                reason = "explored down" if explore else "slack"
+                choice = self._go(Choice(key=found[0], reason=reason, predicted_s=found[1]),
                                   now)
-                self._moved_down = self._moved_down or choice.key == found[0]
+                if choice.key == found[0]:
+                    self._moved_down = True
+                    self._explored = self._explored or explore
                 return choice
         return Choice(key=current, reason="steady", predicted_s=current_p99)
+
+    def _explorable(self, now_s: float) -> bool:
+        """Whether the point a move up took may be tried one step back down before the usual
+        wait: a burst's first seconds push the rate estimate (and the point) up on a few
+        close arrivals, and the wait after a move up outlasts most bursts. Only once per move
+        up, only where what was observed there has plenty of room, and never while the load is
+        still rising (a ramp: either window above the rate the move up was made for)."""
+        if self._explored or self._last_change_s != self._last_up_s \
+                or now_s - self._last_up_s < EXPLORE_AFTER_UP_S \
+                or self._last_up_s - self._placed_s > EXPLORE_WAKE_S:
+            return False
+        rate = self._rate
+        if max(rate.fast_hz, rate.slow_hz, rate.planning_hz) > self._rate_at_up_hz:
+            return False
+        held = self.held_p99_s()
+        return held is not None and held <= EXPLORE_SHARE * self.policy.latency_target_s
 
     def _halfway_up(self, current: PointKey, top: PointKey) -> PointKey:
         """Each clock halfway (by table index, rounded up) from ``current`` to ``top``: a move
@@ -609,6 +636,9 @@ class Governor:
         self._last_change_s = now_s
         if going_up:
             self._last_up_s = now_s
+            # An emergency (a miss, a queue) is not explored back down: it said the target
+            # itself was at stake.
+            self._explored = choice.emergency
             self._rate_at_up_hz = math.inf if choice.reason == "learning" \
                 else self._rate.planning_hz
         self.current = choice.key
@@ -618,16 +648,22 @@ class Governor:
         self._chosen_p99_s = choice.predicted_s
         return choice
 
-    def placed(self, key: PointKey, now_s: float) -> None:
-        """The controller put ``key`` in force by itself (a park, a wake boost)."""
+    def placed(self, key: PointKey, now_s: float, *, rate_hz: float | None = None,
+               predicted_s: float | None = None) -> None:
+        """The controller put ``key`` in force by itself (a park, a wake boost). ``rate_hz``
+        and ``predicted_s``: what a wake's point was sized for (the last busy period's rate)
+        and its P99 estimate there: until the load passes that rate, the point is judged as
+        if the governor had chosen it (a burst's first arrivals, in a rate window still half
+        idle, would otherwise read as a load rising past anything the point was meant for)."""
+        self._placed_s = now_s
         if key != self.current:
             self._ration.refill(now_s)
             self._ration.spend(changed_domains(self.current, key))
             self._last_change_s = now_s
             self._held.clear()
             self._fresh_miss_s = 0.0
-            self._rate_at_change_hz = self._rate.planning_hz
-            self._chosen_p99_s = None
+            self._rate_at_change_hz = max(self._rate.planning_hz, rate_hz or 0.0)
+            self._chosen_p99_s = predicted_s if rate_hz is not None else None
         self.current = key
 
     def _roomy(self) -> bool:

@@ -9,7 +9,14 @@ import random
 import pytest
 
 from power.controller import Controller
-from power.governor import DOWN_HOLD_S, Governor, changed_domains, cpu_levels
+from power.governor import (
+    DOWN_AFTER_UP_S,
+    DOWN_HOLD_S,
+    EXPLORE_AFTER_UP_S,
+    Governor,
+    changed_domains,
+    cpu_levels,
+)
 from power.latency_model import TAIL_GUESS, TAIL_LEAST, LatencyModel, PointKey
 from power.types import Completion, LoadSample, PowerPolicy
 from tests.power_doubles import (
@@ -206,6 +213,47 @@ def test_the_top_point_is_left_early_only_when_its_answers_are_far_under_the_tar
     for before, after in itertools.pairwise(changes):
         if after.reason == "slack" and after.time_s - start > first:
             assert after.time_s - before.time_s >= DOWN_HOLD_S, (before, after)
+
+
+def bursts_and_ramp(seed: int) -> tuple[ServeResult, ServeResult]:
+    """Ten 2 s bursts of 40 req/s (Poisson) 5 s apart, and the ramp of the test above."""
+    clock = FakeClock()
+    board = StrictBoard(clock=clock)
+    start = clock.now_s
+    rng = random.Random(seed)
+    arrivals: list[float] = []
+    begin = start + 1.0
+    for _ in range(10):
+        arrivals += poisson(rng, begin, begin + 2.0, 40.0)
+        begin += 7.0
+    _, bursts = run(arrivals, begin, clock, board)
+    clock = FakeClock()
+    board = StrictBoard(clock=clock)
+    start = clock.now_s
+    rng = random.Random(17)
+    arrivals = []
+    for second in range(40):
+        arrivals += poisson(rng, start + second, start + second + 1, 5.0 + 2.0 * second)
+    _, ramp = run(arrivals, start + 40, clock, board)
+    return bursts, ramp
+
+
+def test_a_move_up_at_a_burst_start_is_explored_back_down_and_a_ramp_is_not() -> None:
+    """A burst's first arrivals, in rate windows still half idle, push the point up; where the
+    answers there then have room and the rate is no higher, one move back down is tried
+    before the usual wait after a move up (which outlasts the burst). Never on a ramp."""
+    bursts, ramp = bursts_and_ramp(29)
+    changes = [d for d in bursts.decisions if d.changed]
+    explored = [(before, after) for before, after in itertools.pairwise(changes)
+                if after.reason == "explored down"]
+    assert explored
+    for before, after in explored:
+        assert before.reason == "over target", before  # a move up, not an emergency
+        assert EXPLORE_AFTER_UP_S <= after.time_s - before.time_s < DOWN_AFTER_UP_S
+        assert (after.point.gpu_max_hz or 0) <= (before.point.gpu_max_hz or 0)
+    assert bursts.miss_share(TARGET_S) <= 0.01
+    assert bursts.max_consecutive_misses(TARGET_S) <= 3
+    assert not [d for d in ramp.decisions if d.reason == "explored down"]
 
 
 def test_clock_changes_stay_within_the_ration() -> None:
