@@ -67,4 +67,46 @@ def test_bench_swap_runs_every_phase_and_writes_its_figures(tmp_path: Path,
     assert summary["soak_fd_growth"] <= 0, soak
     assert soak["state_dir_files"] <= soak["state_dir_files_before"], soak
     assert "p99/steady" in printed and "rollback" in printed
+    # Where in a swap the requests waited: each state the updater went through, from its
+    # journal, with the requests that overlapped it.
+    states = summary["swap_states"]
+    for state in ("downloading", "verifying", "staged", "building-engine", "warming", "canary",
+                  "committed"):
+        assert state in states, sorted(states)
+        assert states[state]["seconds"] > 0
+    assert states["canary"]["requests"] > 0 and "swap state" in printed
     assert status in (0, 1)  # 1: a target missed on a loaded machine; the figures are the test
+
+
+def test_the_states_of_a_swap_come_from_the_journals_history_on_the_benchs_clock() -> None:
+    from agent.tooling.swapbench import bench
+    from agent.tooling.swapbench.load import Record
+
+    def at(perf_s: float) -> str:
+        import datetime
+
+        moment = datetime.datetime.fromtimestamp(perf_s + bench._WALL_MINUS_PERF,
+                                                 tz=datetime.timezone.utc)
+        return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+    def event(frm: str, to: str, perf_s: float) -> dict[str, object]:
+        return {"at": at(perf_s), "from": frm, "to": to}
+
+    history = [event("idle", "downloading", 5.0),  # an earlier swap's: outside this one
+               event("idle", "downloading", 100.0), event("downloading", "verifying", 100.2),
+               event("verifying", "verifying", 100.25),  # a note, not a transition
+               event("verifying", "canary", 100.4), event("canary", "committed", 101.0),
+               event("committed", "idle", 103.0)]  # the watch window, after the answer
+    spans = bench._swap_states(history, 100.0, 101.1)
+    assert [name for name, _, _ in spans] == ["downloading", "verifying", "canary", "committed"]
+    for (_, start, end), (want_start, want_end) in zip(
+            spans, [(100.0, 100.2), (100.2, 100.4), (100.4, 101.0), (101.0, 101.1)]):
+        assert start == pytest.approx(want_start, abs=0.002)
+        assert end == pytest.approx(want_end, abs=0.002)
+    records = [Record(100.05, 100.06, 2, "ok", False), Record(100.19, 100.21, 2, "ok", False),
+               Record(100.5, 100.51, 2, "ok", False)]
+    found = bench._by_state(records, spans, steady_p99_ms=5.0)
+    assert found["downloading"]["requests"] == 2 and found["verifying"]["requests"] == 1
+    assert found["canary"]["requests"] == 1 and found["committed"]["requests"] == 0
+    assert found["verifying"]["p99_ms"] == pytest.approx(20.0, rel=1e-6)
+    assert found["verifying"]["p99_over_steady"] == pytest.approx(4.0, rel=1e-6)

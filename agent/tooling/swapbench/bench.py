@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +185,14 @@ class Updates:
         from agent.control.protocol import SOCKET_NAME
 
         self.client = ControlClient(state_dir / SOCKET_NAME)
+        self.state_dir = state_dir
+
+    def history(self) -> list[dict[str, Any]]:
+        """The update journal's history, read from the file as any reader may (without
+        disturbing the daemon's writes)."""
+        from agent.update.journal import Journal
+
+        return [event.to_json() for event in Journal(self.state_dir).load().doc.history]
 
     def apply(self, bundle: Path) -> dict[str, Any]:
         """Apply and wait: the status once the update is committed, or has ended."""
@@ -231,6 +239,9 @@ class _Timeline:
 
     steady: tuple[float, float] = (0.0, 0.0)
     swaps: list[tuple[float, float]] | None = None
+    # Each swap's updater states, as (state, start, end): from the journal's history, whose
+    # wall-clock times are put on this clock by ``wall_minus_perf``.
+    states: list[tuple[str, float, float]] = field(default_factory=list)
     canary: tuple[float, float] = (0.0, 0.0)
     watch: tuple[float, float] = (0.0, 0.0)
     soak: tuple[float, float] = (0.0, 0.0)
@@ -298,6 +309,7 @@ class _Run:
             if self._check_committed(result, version, "swaps"):
                 self.found["swap_durations_s"].append(ended - started)
             self.updates.until_resting(options.watch_window_s + 30)
+            self.timeline.states += _swap_states(self.updates.history(), started, ended)
             print(f"swap {index + 1}/{options.swaps}: v{version} in {ended - started:.2f} s",
                   flush=True)
 
@@ -447,6 +459,54 @@ def _latency_figures(records: Sequence[Record]) -> dict[str, Any]:
     return figures
 
 
+_WALL_MINUS_PERF = time.time() - time.perf_counter()  # one machine, one clock: good to ~1 ms
+
+
+def _parse_at(text: str) -> float:
+    """A journal time (ISO-8601 UTC with milliseconds) on the ``perf_counter`` clock."""
+    import datetime
+
+    moment = datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
+        tzinfo=datetime.timezone.utc)
+    return moment.timestamp() - _WALL_MINUS_PERF
+
+
+def _swap_states(history: Sequence[dict[str, Any]], started: float, ended: float,
+                 ) -> list[tuple[str, float, float]]:
+    """The updater states one swap went through, from the journal's history: each state from
+    its transition in to the next transition (the last one, ``committed``, ends with the swap's
+    answer)."""
+    events = [(event["to"], _parse_at(event["at"])) for event in history
+              if event.get("from") != event.get("to")]
+    events = [(state, at) for state, at in events if started - 0.05 <= at <= ended + 0.05]
+    spans = []
+    for index, (state, at) in enumerate(events):
+        if state == "committed":
+            spans.append((state, at, ended))
+            break
+        end = events[index + 1][1] if index + 1 < len(events) else ended
+        spans.append((state, at, end))
+    return spans
+
+
+def _by_state(records: Sequence[Record], spans: Sequence[tuple[str, float, float]],
+              steady_p99_ms: float | None) -> dict[str, Any]:
+    """Latency of the requests that overlapped each updater state (over all swaps): where in a
+    swap the excess over steady comes from. A request overlapping two states counts in both."""
+    grouped: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for state, start, end in spans:
+        grouped[state].append((start, end))
+    found = {}
+    for state, intervals in grouped.items():
+        figures = _latency_figures([record for record in records
+                                    if _overlaps(record, intervals)])
+        figures["seconds"] = sum(end - start for start, end in intervals)
+        figures["p99_over_steady"] = (figures["p99_ms"] / steady_p99_ms
+                                      if steady_p99_ms and figures.get("p99_ms") else None)
+        found[state] = figures
+    return found
+
+
 def _overlaps(record: Record, intervals: Sequence[tuple[float, float]]) -> bool:
     return any(record.started_s < end and record.finished_s > start for start, end in intervals)
 
@@ -494,6 +554,7 @@ def summarize(options: SwapBenchOptions, found: dict[str, Any], timeline: _Timel
     for entry in phases.values():
         entry["p99_over_steady"] = (entry["p99_ms"] / steady_p99
                                     if steady_p99 and entry.get("p99_ms") else None)
+    by_state = _by_state(during, timeline.states, steady_p99)
     failures = collections.Counter(record.outcome for record in records if record.failed)
     canary = dict(found["canary_reject"])
     canary["answers_by_refused_version"] = sum(record.version == canary["version"]
@@ -516,6 +577,7 @@ def summarize(options: SwapBenchOptions, found: dict[str, Any], timeline: _Timel
         "capacity": found["capacity"],
         "load_rps": found["load_rps"],
         "phases": phases,
+        "swap_states": by_state,
         "swap_seconds": {"median": statistics.median(durations) if durations else None,
                          "max": max(durations, default=None), "all": durations},
         "canary_reject": canary,
@@ -564,6 +626,14 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"{'max ms':>9}{'p99/steady':>11}"]
     for name, entry in summary["phases"].items():
         lines.append(f"{name:<15}{entry['requests']:>9}{entry['failed']:>7}"
+                     f"{ms(entry.get('p50_ms'))}{ms(entry.get('p99_ms'))}"
+                     f"{ms(entry.get('max_ms'))}{ratio(entry['p99_over_steady']):>11}")
+    states = summary.get("swap_states") or {}
+    if states:
+        lines.append(f"{'swap state':<15}{'requests':>9}{'seconds':>8}{'p50 ms':>9}"
+                     f"{'p99 ms':>9}{'max ms':>9}{'p99/steady':>11}")
+    for name, entry in states.items():
+        lines.append(f"{name:<15}{entry['requests']:>9}{entry['seconds']:>8.2f}"
                      f"{ms(entry.get('p50_ms'))}{ms(entry.get('p99_ms'))}"
                      f"{ms(entry.get('max_ms'))}{ratio(entry['p99_over_steady']):>11}")
     swap_s = summary["swap_seconds"]
