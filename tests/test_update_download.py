@@ -309,8 +309,11 @@ def test_a_truncated_body_keeps_the_part_for_a_later_call(served: Served, tmp_pa
     policy = DownloadPolicy(deadline_s=0.4, stall_timeout_s=0.2, retry_initial_s=0.01,
                             retry_max_s=0.05)
     error = fails(served.url, tmp_path / "b", policy=policy)
-    assert error.reason == "unreachable"
-    assert f"ended after {CUT} of {len(CONTENT)} bytes" in error.fields["last_error"]
+    # Mostly the deadline passes between attempts (unreachable, with the cut as the last
+    # error); on a loaded machine it can pass inside an attempt's short body (deadline).
+    assert error.reason in ("unreachable", "deadline"), error
+    if error.reason == "unreachable":
+        assert f"ended after {CUT} of {len(CONTENT)} bytes" in error.fields["last_error"]
     part, sidecar = partial_files(tmp_path / "b")
     assert part.read_bytes() == CONTENT[:CUT] and sidecar.exists()
     served.always = None
