@@ -16,7 +16,9 @@ URL, waiting for the outcome), exactly as ``edge-agent update apply`` sends them
    (the bundles are made by the process that runs the load: made during a swap, they would slow
    its clients and be counted against the daemon).
    ``p99_swap_over_steady`` = P99 latency of the requests that overlapped a swap (sent before
-   it ended and answered after it began) / P99 of the steady phase.
+   it ended and answered after it began) / P99 of the steady phase. ``swap_states`` splits
+   those requests by the updater state they overlapped (from the journal's history): where in
+   a swap the excess comes from.
 4. **Misbehaving versions**: first one that disagrees with the serving version (its classifier
    negated), which the canary must refuse before it answers anyone (``canary_reject``). Then the
    stricter case: a version that answers like the serving one on the positive frames the load
