@@ -240,13 +240,19 @@ def _header_size(header: bytes) -> int | None:
     return _header_number(header[124:136])
 
 
+_HIGH_BYTES = bytes(range(128, 256))
+
+
 def _header_checksum_ok(header: bytes) -> bool:
     # tarfile accepts the unsigned and the signed byte sum (old tars wrote the latter), so must we,
     # or this guard would stop early where tarfile goes on reading.
     stored = _header_number(header[148:156])
     blanked = header[:148] + b" " * 8 + header[156:]
     unsigned_sum = sum(blanked)
-    signed_sum = sum(byte - 256 if byte > 127 else byte for byte in blanked)
+    # Each byte above 127 counts 256 less when signed; counted in C (a generator over the 512
+    # bytes was most of a header check's time, and the daemon opens a bundle three times).
+    high_bytes = len(blanked) - len(blanked.translate(None, _HIGH_BYTES))
+    signed_sum = unsigned_sum - 256 * high_bytes
     return stored in (unsigned_sum, signed_sum)
 
 

@@ -1057,3 +1057,21 @@ def test_a_bundle_names_the_device_classes_it_is_for() -> None:
     for bad in ([], "orin-nano-8gb", ["Orin Nano"], [3]):
         with pytest.raises(BundleError, match="targets"):
             validate_manifest({**manifest, "targets": bad})
+
+
+def test_a_tar_header_checksum_is_taken_unsigned_or_signed_as_tarfile_does() -> None:
+    import tarfile
+
+    from models.tarscan import _header_checksum_ok
+
+    info = tarfile.TarInfo("modèle-é.onnx")  # bytes above 127 in the header
+    info.size = 10
+    header = info.tobuf(format=tarfile.GNU_FORMAT, encoding="utf-8")[-512:]
+    assert _header_checksum_ok(header)  # tarfile writes the unsigned sum
+    blanked = header[:148] + b" " * 8 + header[156:]
+    signed = sum(byte - 256 if byte > 127 else byte for byte in blanked)
+    assert signed != sum(blanked)
+    old_style = header[:148] + b"%06o\0 " % signed + header[156:]
+    assert _header_checksum_ok(old_style)
+    wrong = header[:148] + b"%06o\0 " % (signed + 1) + header[156:]
+    assert not _header_checksum_ok(wrong)
