@@ -357,7 +357,7 @@ class Controller:
         if self._after_first_key is not None and self._woke_at_s is None:
             key, self._after_first_key = self._after_first_key, None
             result = self._apply(key, now, reason="first request answered: the sized point")
-            self._place(key, now)
+            self._place(key, now, wake=False)
             return self._decide(now, changed=True, reason="after the wake", applied=result)
         choice = governor.choose(load, self._cap)
         self._active_key = choice.key
@@ -408,21 +408,23 @@ class Controller:
         self._apply(key, now_s, reason=f"wake ({reason})", nvpmodel_mode=mode)
         self._idle_since_s = None
         self._parked = False
-        self._place(key, now_s)
+        self._place(key, now_s, wake=True)
         self._last_activity_s = now_s
         self._woke_at_s = now_s
         self._busy_since_s = now_s
         self._woke_key = key
         self._set_state(PowerState.ACTIVE, now_s)
 
-    def _place(self, key: PointKey, now_s: float) -> None:
+    def _place(self, key: PointKey, now_s: float, *, wake: bool) -> None:
         """Tell the governor of a point a wake put in force, with the rate and estimate it was
-        sized for when it is the sized one."""
+        sized for when it is the sized one (``wake``: the wake itself, not the sized point
+        that follows a cold boost's first answer)."""
         sized = self._sized
         if sized is not None and sized[0] == key:
-            self._require_governor().placed(key, now_s, rate_hz=sized[1], predicted_s=sized[2])
+            self._require_governor().placed(key, now_s, rate_hz=sized[1], predicted_s=sized[2],
+                                            wake=wake)
         else:
-            self._require_governor().placed(key, now_s)
+            self._require_governor().placed(key, now_s, wake=wake)
 
     def _boost_key(self, *, cold: bool = False) -> PointKey:
         """The point a wake boosts to: the top after sleep or a long idle (the first request

@@ -68,6 +68,10 @@ RATE_RISE = 1.2  # ... unless the load rose past this share of what the point wa
 HELD_LEAST = 20  # requests at the point in force before its observed P99 counts
 RATE_FAST_S = 0.5  # arrival-rate windows
 RATE_SLOW_S = 2.0
+WAKE_RATE_S = 3.0  # after a wake, for this long, the rate since the wake plans (the windows
+# still hold the idle before it, or too few of the burst's arrivals to tell noise from a rise)
+WAKE_RATE_LEAST = 30  # ... once this many arrivals followed the one that woke it (fewer:
+# a rate from 8-20 arrivals is off by a quarter to a third, and its highs size the next wake)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +130,16 @@ class _RateMeter:
         self.slow_hz = 0.0
         self.fast_hz = 0.0
         self.planning_hz = 0.0
+        self.since_wake_hz: float | None = None  # None: no recent wake, or too few arrivals
+        self._wake_s: float | None = None
+        self._wake_total: int | None = None  # the counter before the wake's request
+
+    def wake(self, time_s: float) -> None:
+        """A wake at ``time_s``, before its request is dispatched: the rate since then is
+        counted from the last sample (the idle before held no arrivals but that request)."""
+        self._wake_s = time_s
+        self._wake_total = self._counts[-1][1] if self._counts else None
+        self.since_wake_hz = None
 
     def _since(self, now_s: float, window_s: float, total: int) -> tuple[int, float]:
         for time_s, count in self._counts:
@@ -144,9 +158,33 @@ class _RateMeter:
         fast_count, fast_span = self._since(time_s, RATE_FAST_S, total)
         self.slow_hz = slow_count / slow_span
         self.fast_hz = fast_count / fast_span
-        expected = self.slow_hz * fast_span
+        base_hz = max(self.slow_hz, self._since_wake(time_s, total))
+        expected = base_hz * fast_span
         significant = fast_count > expected + 3.0 * math.sqrt(max(expected, 1.0)) + 1
-        self.planning_hz = self.fast_hz if significant else self.slow_hz
+        self.planning_hz = self.fast_hz if significant else base_hz
+
+    def _since_wake(self, time_s: float, total: int) -> float:
+        """The arrival rate since a recent wake (0: none, or too few arrivals yet to say).
+
+        A burst's first seconds: the slow window still holds the idle before it, so against it
+        every fast window reads as a rise, and the fast window's few arrivals are noisy (a
+        40 req/s stream reads 46-64 in some 0.5 s windows). The arrivals since the wake, over
+        the time since the wake, are the most the burst has said so far. The request that
+        woke it is left out of the count: the wake is its arrival, so the rest over the time
+        since is the rate's estimate from one arrival on (not biased up by a short span)."""
+        wake_s = self._wake_s
+        if wake_s is None or time_s - wake_s > WAKE_RATE_S:
+            self._wake_s = self.since_wake_hz = None
+            return 0.0
+        if self._wake_total is None:
+            # No sample before the wake: this one (its request counted) stands in.
+            self._wake_total = total - 1
+        after = total - self._wake_total - 1
+        if after < WAKE_RATE_LEAST or time_s <= wake_s:
+            self.since_wake_hz = None
+            return 0.0
+        self.since_wake_hz = after / (time_s - wake_s)
+        return self.since_wake_hz
 
 
 class _ChangeRation:
@@ -649,13 +687,17 @@ class Governor:
         return choice
 
     def placed(self, key: PointKey, now_s: float, *, rate_hz: float | None = None,
-               predicted_s: float | None = None) -> None:
+               predicted_s: float | None = None, wake: bool = False) -> None:
         """The controller put ``key`` in force by itself (a park, a wake boost). ``rate_hz``
         and ``predicted_s``: what a wake's point was sized for (the last busy period's rate)
         and its P99 estimate there: until the load passes that rate, the point is judged as
         if the governor had chosen it (a burst's first arrivals, in a rate window still half
-        idle, would otherwise read as a load rising past anything the point was meant for)."""
+        idle, would otherwise read as a load rising past anything the point was meant for).
+        ``wake``: a wake placed it (the first request after idle is next): the arrival rate
+        is planned on the arrivals since, for the first seconds."""
         self._placed_s = now_s
+        if wake:
+            self._rate.wake(now_s)
         if key != self.current:
             self._ration.refill(now_s)
             self._ration.spend(changed_domains(self.current, key))

@@ -346,3 +346,71 @@ def test_a_move_up_the_model_cannot_size_goes_halfway_to_the_top_not_all_the_way
     one_below = PointKey(gpu_hz=gpu[-2], cpu_khz=cpus[-1], emc_hz=emc[-1])
     assert governor._halfway_up(one_below, governor.top) == governor.top  # never stuck below it
     assert governor._halfway_up(governor.top, governor.top) == governor.top
+
+
+
+def _rates_after_wake(arrivals: list[float], wake_s: float, until_s: float, *, wake: bool = True,
+                      step_s: float = 0.05) -> list[tuple[float, float]]:
+    """Feed a governor's rate meter ``arrivals`` at the controller's step period, with a wake at
+    ``wake_s`` (before its request is counted) or, ``wake=False``, none: (time since
+    ``wake_s``, planning rate) at each step after it."""
+    governor = Governor(ORIN_NANO_TABLE, PowerPolicy(latency_target_s=TARGET_S))
+    rates = []
+    index = 0
+    woke = not wake
+    for step in range(int(until_s / step_s) + 1):
+        now = step * step_s
+        if not woke and now >= wake_s:
+            governor.placed(governor.top, wake_s, wake=True)
+            woke = True
+        while index < len(arrivals) and arrivals[index] <= now:
+            index += 1
+        load = LoadSample(time_s=now, queue_depth=0, busy_instances=0, instances=1,
+                          arrivals_total=index, completed_total=index)
+        governor.observe(load, [], lambda completion: None)
+        if now > wake_s:
+            rates.append((now - wake_s, governor.arrival_rate_hz))
+    return rates
+
+
+
+def test_a_burst_after_idle_is_planned_on_its_rate_since_the_wake() -> None:
+    """40 req/s bursts after 6 s of idle: in their first seconds the slow window still holds
+    the idle (it reads low), and only a 0.5 s window of a few noisy arrivals can say more when
+    it happens to read as a rise. Counted from the wake (once 30 arrivals followed it), the
+    rate is read on all of the burst's arrivals so far."""
+    for seed in range(8):
+        rng = random.Random(seed)
+        wake_s = 6.0 + rng.random() * 0.05
+        arrivals = [wake_s, *poisson(rng, wake_s, wake_s + 3.0, 40.0)]
+        burst_hz = (len(arrivals) - 1) / 3.0  # what this burst's arrivals came at
+        woken = [rate for since, rate in _rates_after_wake(arrivals, wake_s, wake_s + 3.0)
+                 if 1.0 <= since <= 2.0]
+        windows = [rate for since, rate in
+                   _rates_after_wake(arrivals, wake_s, wake_s + 3.0, wake=False)
+                   if 1.0 <= since <= 2.0]
+        assert sum(abs(rate - burst_hz) for rate in woken) \
+            < sum(abs(rate - burst_hz) for rate in windows), seed
+        assert min(woken) >= 0.7 * burst_hz, (seed, burst_hz, woken)
+        assert max(woken) <= 1.3 * burst_hz, (seed, burst_hz, woken)
+
+
+def test_a_real_rise_after_a_wake_still_moves_the_rate_up_at_once() -> None:
+    """A step from 20 to 100 req/s 1.5 s after a wake: the fast window's rise overrides the
+    rate since the wake (which would read under 45 for a while yet) within two steps of when
+    it would without the wake."""
+    for seed in range(6):
+        rng = random.Random(seed)
+        wake_s = 5.0
+        arrivals = [wake_s, *poisson(rng, wake_s, wake_s + 1.5, 20.0),
+                    *poisson(rng, wake_s + 1.5, wake_s + 3.0, 100.0)]
+        woken = _rates_after_wake(arrivals, wake_s, wake_s + 3.0)
+        windows = _rates_after_wake(arrivals, wake_s, wake_s + 3.0, wake=False)
+        assert max(rate for since, rate in woken if 1.0 <= since < 1.5) < 35.0
+
+        def first_over(rates: list[tuple[float, float]], hz: float) -> float:
+            return min(since for since, rate in rates if since >= 1.5 and rate >= hz)
+        # A higher base (the rate since the wake over the slow window's) may take a step or two
+        # (50 ms each) longer to read the rise as significant; never more.
+        assert first_over(woken, 50.0) <= first_over(windows, 50.0) + 0.1 + 1e-9, seed
+        assert first_over(woken, 50.0) <= 1.5 + 0.4, seed
