@@ -257,7 +257,8 @@ def _telemetry_families(telemetry: Any) -> Iterator[Any]:
     if telemetry.gpu_freq_hz is not None:
         freq.add_metric(["gpu"], float(telemetry.gpu_freq_hz))
     for index, khz in enumerate(telemetry.cpu_freq_khz):
-        freq.add_metric([f"cpu{index}"], khz * 1000.0)  # per cpufreq policy (cluster)
+        if khz is not None:  # an unreadable policy has no sample; the others keep their labels
+            freq.add_metric([f"cpu{index}"], khz * 1000.0)  # per cpufreq policy (cluster)
     if telemetry.emc_hz is not None:
         freq.add_metric(["emc"], float(telemetry.emc_hz))
     yield freq

@@ -270,8 +270,7 @@ class Board:
             gpu_freq_hz=self.gpu.cur_freq_hz() if self.gpu else None,
             gpu_load=self.gpu.load() if self.gpu else None,
             gpu_railgated=self.gpu.railgated() if self.gpu else None,
-            cpu_freq_khz=tuple(freq for policy in self.cpu
-                               if (freq := policy.cur_freq_khz()) is not None),
+            cpu_freq_khz=tuple(policy.cur_freq_khz() for policy in self.cpu),
             emc_hz=self.emc.rate_hz() if self.emc else self._emc_rate_read_only(),
             thermal=self.thermal.read(), rails_mw=rails,
             total_power_mw=self.rails.total_mw(rails),

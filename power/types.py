@@ -102,7 +102,9 @@ class Telemetry:
     gpu_freq_hz: int | None = None
     gpu_load: float | None = None  # 0..1 (the kernel's per-mille / 1000)
     gpu_railgated: bool | None = None  # runtime_status "suspended"
-    cpu_freq_khz: tuple[int, ...] = ()  # per policy
+    # Per cpufreq policy, in the board's policy order; None where one cannot be read (kept in
+    # place, so that a policy's index, and its cpuN label, never moves to another cluster).
+    cpu_freq_khz: tuple[int | None, ...] = ()
     emc_hz: int | None = None
     thermal: tuple[ThermalZone, ...] = ()
     rails_mw: dict[str, int] = field(default_factory=dict)  # rail label -> mW

@@ -280,3 +280,20 @@ def test_describe_says_what_the_board_is_and_cannot_do(tmp_path: Path) -> None:
     assert described["nvpmodel_modes"]["2"] == "MAXN_SUPER"
     assert described["capabilities"]["emc"].startswith("no EMC control in debugfs")
     assert described["capabilities"]["gpu"] is None
+
+
+def test_an_unreadable_cpu_policy_keeps_the_others_in_their_places(tmp_path: Path) -> None:
+    from agent.metrics import _telemetry_families
+
+    tree = fake_board(tmp_path, "agx-orin-64gb", 6)
+    board = Board.open(tree.root, writer=FakeKernel(tree.root, 6))
+    before = board.telemetry().cpu_freq_khz
+    assert len(before) == 3 and None not in before
+    (tree.root / "sys/devices/system/cpu/cpufreq/policy4/scaling_cur_freq").unlink()
+    reading = board.telemetry()
+    assert reading.cpu_freq_khz == (before[0], None, before[2])  # the third stays the third
+    families = {family.name: family for family in _telemetry_families(reading)}
+    labels = {sample.labels["clock"]: sample.value
+              for sample in families["edge_agent_power_frequency_hertz"].samples}
+    assert labels["cpu0"] == before[0] * 1000.0 and labels["cpu2"] == before[2] * 1000.0
+    assert "cpu1" not in labels

@@ -155,8 +155,8 @@ def print_telemetry(telemetry: dict[str, Any] | None, out: IO[str]) -> None:
     if telemetry.get("gpu_freq_hz") is not None:
         print(f"gpu: {telemetry['gpu_freq_hz'] / 1e6:g} MHz", file=out)
     if telemetry.get("cpu_freq_khz"):
-        print("cpu: " + ", ".join(f"{khz / 1e3:g}" for khz in telemetry["cpu_freq_khz"])
-              + " MHz", file=out)
+        print("cpu: " + ", ".join("?" if khz is None else f"{khz / 1e3:g}"
+                                  for khz in telemetry["cpu_freq_khz"]) + " MHz", file=out)
     if telemetry.get("emc_hz") is not None:
         print(f"emc: {telemetry['emc_hz'] / 1e6:g} MHz", file=out)
     if telemetry.get("total_power_mw") is not None:
