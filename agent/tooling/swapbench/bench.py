@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import datetime
 import math
 import os
 import statistics
@@ -466,8 +467,6 @@ _WALL_MINUS_PERF = time.time() - time.perf_counter()  # one machine, one clock: 
 
 def _parse_at(text: str) -> float:
     """A journal time (ISO-8601 UTC with milliseconds) on the ``perf_counter`` clock."""
-    import datetime
-
     moment = datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
         tzinfo=datetime.timezone.utc)
     return moment.timestamp() - _WALL_MINUS_PERF
