@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -138,6 +143,15 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Tasks still pending when the run ends (a background task that ignored its cancellation) are
 # cancelled again and given this long; the process does not wait for them beyond it.
 LEFTOVER_TIMEOUT_S = 5.0
+# The loop's default executor (journal writes, file work, freeing instances) is given this long
+# to finish its jobs at exit. A job stuck for good (a hung driver call, a dead NFS mount) is
+# abandoned then, and the process leaves through :func:`exit_if_abandoned` instead of waiting
+# for it at interpreter exit until the service manager kills it.
+EXECUTOR_TIMEOUT_S = 10.0
+# Once a thread was abandoned, the threads still running at exit get this long in all.
+EXIT_JOIN_S = 5.0
+
+_abandoned: list[str] = []
 
 
 async def _serve(daemon: Daemon, candidate: ModelArtifacts | None, session: Session[T] | None,
@@ -271,6 +285,10 @@ def _run_loop(main: Coroutine[Any, Any, T]) -> T:
     :data:`LEFTOVER_TIMEOUT_S` once cancelled instead of as long as they take: a background task
     that swallows its cancellation must not keep the process from exiting."""
     loop = asyncio.new_event_loop()
+    # The loop's own default executor would be shut down with no bound (before Python 3.12,
+    # ``shutdown_default_executor`` joins its threads however long they take).
+    executor = ThreadPoolExecutor(thread_name_prefix="agent-io")
+    loop.set_default_executor(executor)
     try:
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(main)
@@ -278,10 +296,61 @@ def _run_loop(main: Coroutine[Any, Any, T]) -> T:
         try:
             _cancel_leftovers(loop)
             loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
+            _shut_down(executor, EXECUTOR_TIMEOUT_S)
         finally:
             asyncio.set_event_loop(None)
             loop.close()
+
+
+def _shut_down(executor: ThreadPoolExecutor, timeout_s: float) -> bool:
+    """Shut ``executor`` down (queued jobs cancelled), waiting at most ``timeout_s`` for the
+    running ones; False, logged and remembered for :func:`exit_if_abandoned`, when one is still
+    running then."""
+    before = set(threading.enumerate())
+    done = threading.Event()
+
+    def shut_down() -> None:
+        executor.shutdown(wait=True, cancel_futures=True)
+        done.set()
+
+    threading.Thread(target=shut_down, name="agent-io-shutdown", daemon=True).start()
+    if done.wait(timeout_s):
+        return True
+    stuck = sorted(thread.name for thread in before
+                   if thread.name.startswith("agent-io") and thread.is_alive())
+    _abandoned.extend(stuck)
+    log.error("%d job(s) of the default executor did not finish %.0f s after the daemon "
+              "stopped (%s); abandoned", len(stuck), timeout_s, ", ".join(stuck) or "?")
+    return False
+
+
+def exit_if_abandoned(status: int) -> None:
+    """End the process now with ``status`` when a run abandoned a stuck thread (see
+    :data:`EXECUTOR_TIMEOUT_S`); otherwise return.
+
+    A thread of a thread pool is joined at interpreter exit however long it takes, so a job
+    stuck for good would keep the stopped daemon's process alive until its service manager
+    killed it. The other threads still running get :data:`EXIT_JOIN_S` in all, the output and
+    the log are flushed, and the process exits at once (``os._exit``).
+    """
+    if not _abandoned:
+        return
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread in threading.enumerate():
+        if thread is threading.current_thread() or thread.daemon:
+            continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = [thread.name for thread in threading.enumerate()
+            if thread is not threading.current_thread() and not thread.daemon
+            and thread.is_alive()]
+    log.error("exiting with %d thread(s) still running: %s", len(left), ", ".join(left))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:

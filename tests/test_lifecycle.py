@@ -439,6 +439,49 @@ def test_a_task_that_never_ends_does_not_keep_the_process(
     assert "did not end 0 s after it was cancelled at exit; abandoned" in caplog.text
 
 
+_STUCK_EXECUTOR = """
+import asyncio, logging, sys, threading
+import agent.run as run
+logging.basicConfig(level=logging.ERROR)
+run.EXECUTOR_TIMEOUT_S = 0.5
+run.EXIT_JOIN_S = 0.2
+never = threading.Event()
+
+async def main() -> int:
+    loop = asyncio.get_running_loop()
+    loop.run_in_executor(None, never.wait)  # a job stuck for good
+    await loop.run_in_executor(None, lambda: None)  # and one that ends
+    return int(sys.argv[1])
+
+status = run._run_loop(main())
+run.exit_if_abandoned(status)
+print("returned to the interpreter's exit", flush=True)
+"""
+
+
+def test_a_job_stuck_in_the_default_executor_does_not_keep_the_process() -> None:
+    """Without a bound, the interpreter's exit joins the stuck thread for good."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _STUCK_EXECUTOR, "7"], capture_output=True,
+                          check=False, text=True, timeout=30, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 7, done.stderr
+    assert time.monotonic() - started < 20
+    assert "did not finish 0 s after the daemon stopped (agent-io" in done.stderr
+    assert "exiting with 1 thread(s) still running: agent-io" in done.stderr
+    assert "returned to the interpreter's exit" not in done.stdout
+
+
+def test_a_run_whose_jobs_end_leaves_through_the_interpreter() -> None:
+    import agent.run
+
+    async def main() -> int:
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: 5)
+
+    assert agent.run._run_loop(main()) == 5
+    assert agent.run._abandoned == []
+    agent.run.exit_if_abandoned(0)  # returns: nothing was abandoned
+
+
 def test_the_signal_handlers_are_as_they_were_after_a_run(daemon: Daemon) -> None:
     def mine(*_: Any) -> None:
         pass

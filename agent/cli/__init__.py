@@ -86,6 +86,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(-1 if args.quiet else args.verbose)
     if args.command in _UNWIND_ON_SIGTERM:
         signal.signal(signal.SIGTERM, _raise_terminated)
+    status = _run(args)
+    # A daemon run that had to abandon a stuck thread ends here, not at interpreter exit
+    # (which would wait for that thread for good); agent.run is loaded only by such runs.
+    run = sys.modules.get("agent.run")
+    if run is not None:
+        run.exit_if_abandoned(status)
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.handler(args) or 0)
     except AgentError as exc:
