@@ -216,7 +216,13 @@ class Board:
         return self._table
 
     def capabilities(self) -> dict[str, str | None]:
-        return {control: self._problems.get(control) for control in CONTROLS}
+        found = {control: self._problems.get(control) for control in CONTROLS}
+        if found["rails"] is None and self.rails.problems:
+            # Some rails read, some do not (a channel's files missing or unreadable): the rails
+            # still report, degraded, and say which are missing.
+            found["rails"] = "degraded: " + "; ".join(
+                f"{label}: {why}" for label, why in sorted(self.rails.problems.items()))
+        return found
 
     def describe(self) -> dict[str, Any]:
         """What this board is and can do, JSON-able (for ``edge-agent power status``)."""

@@ -145,6 +145,11 @@ def run_status(args: argparse.Namespace) -> int:
         print("limits: " + ", ".join(f"{key}={value}" for key, value in
                                      sorted(reading["point"].items())))
     print_telemetry(reading.get("telemetry"), sys.stdout)
+    # On the board's files: what this board cannot do or read, so a rail missing from the
+    # list above is explained (a channel's files missing or unreadable) rather than silent.
+    for control, why in sorted((reading.get("capabilities") or {}).items()):
+        if why is not None:
+            print(f"{control}: {why}")
     return 0
 
 

@@ -8,7 +8,8 @@ fan and the sleep files: the layout of ``docs/reference/jetson_sysfs_layout.md``
 the JetPack release asked for:
 
 - JetPack 4 (r32, kernel 4.9, Xavier only): ``sys/devices/17000000.gv11b``; the kernel refuses a
-  minimum above the maximum (``EINVAL``) -- see ``power/sim/kernel.py``.
+  minimum above the maximum (``EINVAL``) -- see ``power/sim/kernel.py``; the INA3221 rails are
+  the ``ina3221x`` driver's iio channels, not hwmon.
 - JetPack 5 (r35, kernel 5.10): ``sys/devices/17000000.ga10b`` (Orin) or ``.gv11b`` (Xavier),
   ``CPU-therm``-style zone names; limits clamp instead of failing.
 - JetPack 6 (r36, kernel 5.15): ``sys/devices/platform/bus@0/17000000.gpu``, ``cpu-thermal``-style
@@ -103,7 +104,9 @@ class FakeTree:
     policies: tuple[str, ...]
     emc_dir: str | None
     zones: dict[str, str]  # zone type -> its directory (the real one, not the class link)
-    rails: dict[str, tuple[str, int]]  # rail label -> (its monitor's hwmon directory, channel)
+    # rail label -> (its monitor's directory, channel): a hwmon directory and its 1-based inN_*
+    # channel, or on JetPack 4 an ina3221x iio:device directory and its 0-based rail_name_N.
+    rails: dict[str, tuple[str, int]]
     fan_pwm: str | None
     unreadable_zones: tuple[str, ...] = field(default=())
 
@@ -169,6 +172,38 @@ def _rail_reading(label: str) -> tuple[int, int]:
     if "1V8" in label:
         return 1800, 341
     return 4960 if label in {"VDD_CPU_GPU_CV", "VDD_SOC"} else 800, 250
+
+
+def _write_ina3221x(root: Path, board: BoardProfile) -> dict[str, tuple[str, int]]:
+    """JetPack 4's INA3221 layout (NVIDIA's ``ina3221x`` iio driver): per monitor an
+    ``iio:device<k>`` directory under the I2C device, with ``rail_name_N``,
+    ``in_voltageN_input`` (mV), ``in_currentN_input`` (mA), ``in_powerN_input`` (mW) and the
+    ``warn_``/``crit_current_limit_N`` (mA) for N = 0..2 (the profile's channel 1..3), the device
+    also listed under ``sys/bus/i2c/drivers/ina3221x``. File names and units: jetson-stats'
+    JetPack 4 reader and AGX Xavier r32 scripts (power/sysfs/rails.py); the platform path of
+    the I2C bus and the limit values are [I]. Returns each rail's (iio directory, N)."""
+    rails: dict[str, tuple[str, int]] = {}
+    for index, i2c in enumerate(dict.fromkeys(rail.i2c for rail in board.rails)):
+        bus = i2c.split("-")[0]
+        device_path = f"sys/devices/c240000.i2c/i2c-{bus}/{i2c}"
+        iio = f"{device_path}/iio:device{index}"
+        _put(root, f"{device_path}/name", "ina3221x")
+        _put(root, f"{iio}/name", "ina3221x")
+        _link(root, f"sys/bus/i2c/devices/{i2c}", device_path)
+        _link(root, f"sys/bus/i2c/drivers/ina3221x/{i2c}", device_path)
+        _link(root, f"sys/bus/iio/devices/iio:device{index}", iio)
+        for rail in (r for r in board.rails if r.i2c == i2c):
+            volt_mv, curr_ma = _rail_reading(rail.label)
+            number = rail.channel - 1
+            _put(root, f"{iio}/rail_name_{number}", rail.label)
+            _put(root, f"{iio}/in_voltage{number}_input", volt_mv)
+            _put(root, f"{iio}/in_current{number}_input", curr_ma)
+            _put(root, f"{iio}/in_power{number}_input", volt_mv * curr_ma // 1000)
+            _put(root, f"{iio}/warn_current_limit_{number}", 4000)
+            _put(root, f"{iio}/crit_current_limit_{number}", 5000)
+            if rail.label != "NC":
+                rails[rail.label] = (iio, number)
+    return rails
 
 
 def write_tree(root: Path, board: BoardProfile, jetpack: int = 6, *, mode_id: int | None = None,
@@ -281,7 +316,9 @@ def write_tree(root: Path, board: BoardProfile, jetpack: int = 6, *, mode_id: in
     # Power monitors, then the fan (hwmon0 pwmfan first, as on the Orin Nano devkit).
     hwmon_index = 1 if board.fan else 0
     rails: dict[str, tuple[str, int]] = {}
-    for i2c in dict.fromkeys(rail.i2c for rail in board.rails):
+    if layout.jetpack == 4:
+        rails = _write_ina3221x(root, board)
+    for i2c in dict.fromkeys(rail.i2c for rail in board.rails) if layout.jetpack > 4 else ():
         bus = i2c.split("-")[0]
         device_path = f"sys/devices/platform/bus@0/c240000.i2c/i2c-{bus}/{i2c}"
         hwmon = f"{device_path}/hwmon/hwmon{hwmon_index}"

@@ -3,7 +3,8 @@
 Nothing here hard-codes a JetPack release's paths: the GPU is the ``sys/class/devfreq`` entry (a
 symlink) whose ``device/of_node/name`` is a Tegra GPU's (``gpu`` on r36+, ``ga10b`` on r35 Orin,
 ``gv11b`` on Xavier), the CPU clusters are ``cpufreq/policyN``, the power monitors are the I2C
-devices named ``ina3221``, the fan the hwmon named ``pwmfan``. Each group's class
+devices named ``ina3221`` (``ina3221x`` on JetPack 4, whose rails are iio channels), the fan the
+hwmon named ``pwmfan``. Each group's class
 (``power/sysfs/*.py``) is built from what :func:`discover` found; anything missing is ``None``
 (or empty) and the board says so in its capabilities.
 
@@ -26,6 +27,7 @@ DEVFREQ_CLASS = "sys/class/devfreq"
 THERMAL_CLASS = "sys/class/thermal"
 HWMON_CLASS = "sys/class/hwmon"
 I2C_DEVICES = "sys/bus/i2c/devices"
+INA3221X_DRIVER = "sys/bus/i2c/drivers/ina3221x"  # JetPack 4's INA3221 driver
 DEVICE_TREE = ("proc/device-tree", "sys/firmware/devicetree/base")
 TEGRA_RELEASE = "etc/nv_tegra_release"
 # The GPU's rail-gate delay (ms), in its device directory: nvgpu's own file, else runtime PM's.
@@ -62,7 +64,7 @@ class BoardPaths:
     cpu: tuple[CpuPolicyPaths, ...]
     emc: EmcPaths | None
     thermal_zones: tuple[str, ...]  # sys/class/thermal/thermal_zoneN, in N order
-    power_monitors: tuple[str, ...]  # each INA3221's hwmon directory
+    power_monitors: tuple[str, ...]  # each INA3221's hwmon (or JetPack 4 iio:device) directory
     fan_pwm: str | None  # the pwmfan hwmon directory (pwm1, pwm1_enable)
     fan_tach: str | None  # the pwm_tach hwmon directory (rpm)
 
@@ -151,19 +153,26 @@ def find_emc(root: Path) -> EmcPaths | None:
 
 
 def find_power_monitors(root: Path) -> tuple[str, ...]:
-    found = []
-    for name in _entries(root, I2C_DEVICES):
-        device = f"{I2C_DEVICES}/{name}"
+    """Each INA3221's directory: the first child of its ``hwmon/`` (JetPack 5 and later; jtop
+    takes the first [JS-pow]), else its ``iio:device<k>`` children (JetPack 4's ``ina3221x``
+    driver, whose I2C device is also listed under ``sys/bus/i2c/drivers/ina3221x``)."""
+    found: list[str] = []
+    devices = [f"{I2C_DEVICES}/{name}" for name in _entries(root, I2C_DEVICES)]
+    devices += [f"{INA3221X_DRIVER}/{name}" for name in _entries(root, INA3221X_DRIVER)
+                if "-" in name]
+    for device in devices:
         try:
             if "ina3221" not in read_text(root, f"{device}/name"):
                 continue
         except OSError:
             continue
         children = _entries(root, f"{device}/hwmon")
-        if children:  # jtop takes the first child [JS-pow]
-            hwmon = _rel(root, f"{device}/hwmon/{children[0]}")
-            if hwmon is not None:
-                found.append(hwmon)
+        candidates = [f"{device}/hwmon/{children[0]}"] if children else [
+            f"{device}/{name}" for name in _numbered(_entries(root, device), "iio:device")]
+        for candidate in candidates:
+            monitor = _rel(root, candidate)
+            if monitor is not None and monitor not in found:
+                found.append(monitor)
     return tuple(found)
 
 
