@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from agent.errors import PowerError
 from power.governor import UP_HEADROOM, Governor, point_for
 from power.latency_model import PointKey
-from power.sleep import RailgatePlanner, SleepPlanner, default_depth
+from power.sleep import RailgatePlanner, SleepDepth, SleepPlanner, default_depth
 from power.thermal_guard import ThermalCap, ThermalGuard
 from power.types import (
     TRANSITIONS,
@@ -187,11 +187,8 @@ class Controller:
         self._table = table
         self._governor = Governor(table, self.policy)
         self._guard = ThermalGuard(table, margin_c=self.policy.thermal_margin_c)
-        self._planner = SleepPlanner(
-            sleep_after_s=self.policy.sleep_after_s,
-            depth=default_depth(idle_mw=None, sleep_mw=None,
-                                engine_reload_s=self._engine_reload_s,
-                                release_engine=self.policy.release_engine_in_sleep))
+        self._planner = SleepPlanner(sleep_after_s=self.policy.sleep_after_s,
+                                     depth=self._sleep_depth())
         self._started = True
         now = self._clock()
         self._last_activity_s = now
@@ -252,6 +249,25 @@ class Controller:
             self._engine_released = False
         return result
 
+    def set_engine_hook(self, on_engine: Callable[[bool], None] | None) -> None:
+        """Who releases and restores the engine's memory (the constructor's ``on_engine``), for
+        a caller that makes the controller before it has one (the daemon's power service)."""
+        self._on_engine = on_engine
+
+    def set_engine_reload_s(self, seconds: float) -> None:
+        """How long getting the engine back took, as measured (a restore after sleep): the
+        sleep's break-even is sized on it from now on, instead of the constructor's guess."""
+        if not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+            raise PowerError("an engine reload time must be a finite number of seconds >= 0",
+                             found=repr(seconds)[:40])
+        self._engine_reload_s = float(seconds)
+        if self._planner is not None:
+            self._planner.depth = self._sleep_depth()
+
+    def _sleep_depth(self) -> SleepDepth:
+        return default_depth(idle_mw=None, sleep_mw=None, engine_reload_s=self._engine_reload_s,
+                             release_engine=self.policy.release_engine_in_sleep)
+
     def set_policy(self, policy: PowerPolicy) -> None:
         """Aim for ``policy`` from the next step (a profile change takes effect now)."""
         check_policy(policy)
@@ -264,6 +280,7 @@ class Controller:
             self._guard.margin_c = policy.thermal_margin_c
         if self._planner is not None:
             self._planner.sleep_after_s = policy.sleep_after_s
+            self._planner.depth = self._sleep_depth()  # release_engine_in_sleep may change it
         if old.profile != policy.profile:
             self._enter_profile(self._clock())
 

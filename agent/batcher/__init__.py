@@ -20,6 +20,10 @@ When a batch goes (Triton's rules, see docs/reference/serving.md §1):
   queue rejects new requests at once with :class:`QueueFull` (the API answers 503); a cancelled
   request (its HTTP client went away) leaves the queue at once.
 * A failed batch fails only its own requests, each with the error.
+* The power governor's sleep may release the instances' engines (``release_engine_in_sleep``,
+  :class:`~agent.batcher.batcher.EngineState`): nothing is dispatched until they are re-created,
+  which the wake or the first request that comes starts; a request that comes meanwhile waits
+  (its deadline still counts), and one whose restore fails gets that error.
 
 What happens is reported to one observer (agent/observers.py: the model's metrics, statistics
 and whatever else subscribed); a snapshot of the load comes from :meth:`Batcher.load`.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import itertools
 import logging
 import threading
@@ -39,6 +40,21 @@ CANDIDATE_SCAN = 1024  # queued requests looked at to form the next batches
 WakeHook = Callable[[], Awaitable[None]]
 """Called before the first dispatch after :meth:`Batcher.arm_wake` (the power governor's wake:
 the board boosts its clocks before the request runs)."""
+
+
+class EngineState(enum.Enum):
+    """Whether the instances hold their engines (their model's memory). The power governor's
+    sleep may release them (``release_engine_in_sleep``); the next request restores them.
+
+    Transitions: ACTIVE -> RELEASING (:meth:`Batcher.release_engine`) -> RELEASED;
+    RELEASED -> RESTORING (:meth:`Batcher.restore_engine`, or a request to dispatch) -> ACTIVE;
+    a restore asked for while RELEASING runs right after the release. Batches are dispatched
+    in ACTIVE only: a request that comes meanwhile waits (its deadline still counts)."""
+
+    ACTIVE = "active"
+    RELEASING = "releasing"
+    RELEASED = "released"
+    RESTORING = "restoring"
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,12 @@ class Batcher:
         self._waking: asyncio.Task[None] | None = None
         self.wakes = 0  # hooks called
         self.wake_timeouts = 0  # hooks that did not finish within the bound
+        self._engine = EngineState.ACTIVE
+        self._engine_task: asyncio.Task[None] | None = None
+        self._restore_after_release = False
+        self.engine_releases = 0  # releases done
+        self.engine_restores = 0  # restores done
+        self.last_restore_s: float | None = None  # how long the last restore took
 
     def _wrap(self, backend: Backend) -> Instance:
         index = next(_instance_numbers)
@@ -185,6 +207,8 @@ class Batcher:
                                   key="serving.priority_levels")
             self.policy = policy
         self._instances = [self._wrap(backend) for backend in backends]
+        if self._engine is EngineState.RELEASED:
+            self._engine = EngineState.ACTIVE  # the new instances hold their engines
         self._max_batch_size = min(self.policy.max_batch_size,
                                    *(backend.max_batch_size for backend in backends))
         self._fail_oversized()
@@ -288,6 +312,78 @@ class Batcher:
         finally:
             self._wake_armed = False
             self._waking = None
+            self._poke()
+
+    # -- releasing the engines while the board sleeps ------------------------------------
+
+    @property
+    def engine_state(self) -> EngineState:
+        return self._engine
+
+    def release_engine(self) -> None:
+        """Free every instance's engine (``Backend.deactivate``) once its batches in flight are
+        done; nothing is dispatched until :meth:`restore_engine` (or the next request) brings
+        them back. Call on the event loop. No-op unless ACTIVE."""
+        if self._engine is not EngineState.ACTIVE or self._closed:
+            return
+        self._engine = EngineState.RELEASING
+        self._restore_after_release = False
+        self._engine_task = asyncio.get_running_loop().create_task(self._release(),
+                                                                   name="release-engine")
+
+    def restore_engine(self) -> None:
+        """Re-create every instance's engine (``Backend.activate``), then dispatch again. Call
+        on the event loop. No-op while ACTIVE or RESTORING; while RELEASING, right after."""
+        if self._closed:
+            return
+        if self._engine is EngineState.RELEASING:
+            self._restore_after_release = True
+        elif self._engine is EngineState.RELEASED:
+            self._engine = EngineState.RESTORING
+            self._engine_task = asyncio.get_running_loop().create_task(self._restore(),
+                                                                       name="restore-engine")
+
+    async def _release(self) -> None:
+        loop = asyncio.get_running_loop()
+        instances = list(self._instances)
+        started = time.monotonic()
+        try:
+            while any(instance.outstanding for instance in instances):
+                await asyncio.sleep(0.002)
+            # On each instance's run thread: where its engine runs (a CUDA context's thread).
+            for instance in instances:
+                await loop.run_in_executor(instance.run_pool, instance.backend.deactivate)
+        except Exception as exc:  # a failed release leaves the engines as they are
+            log.error("releasing the engines failed: %s", exc, exc_info=exc)
+        self._engine = EngineState.RELEASED
+        self.engine_releases += 1
+        log.info("released the engines of %d instance(s) in %.3f s", len(instances),
+                 time.monotonic() - started)
+        if self._restore_after_release or self._queued:
+            self._restore_after_release = False
+            self.restore_engine()
+        self._poke()
+
+    async def _restore(self) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        try:
+            for instance in list(self._instances):
+                if not instance.backend.active:
+                    await loop.run_in_executor(instance.run_pool, instance.backend.activate)
+        except Exception as exc:  # the waiting requests get the error
+            self._engine = EngineState.RELEASED  # the next request tries again
+            log.error("restoring the engines failed: %s", exc, exc_info=exc)
+            self._fail_queued(exc if isinstance(exc, AgentError) else AgentError(
+                f"the engine could not be restored after sleep: {type(exc).__name__}: {exc}"))
+        else:
+            self._engine = EngineState.ACTIVE
+            self.engine_restores += 1
+            self.last_restore_s = time.monotonic() - started
+            log.info("restored the engines of %d instance(s) in %.3f s", len(self._instances),
+                     self.last_restore_s)
+        finally:
+            self._engine_task = None
             self._poke()
 
     # -- submission ---------------------------------------------------------------------
@@ -396,6 +492,13 @@ class Batcher:
             self._expire(now)
             if not self._queued:
                 return None
+            if self._engine is not EngineState.ACTIVE:
+                # Released in sleep: bring the engines back (beside the wake hook's boost);
+                # the restore's end pokes the scheduler.
+                self.restore_engine()
+                if self._wake_armed:
+                    self._start_wake()
+                return self._until_next_deadline(None, now)
             if self._wake_armed:
                 self._start_wake()  # its end pokes the scheduler
                 return self._until_next_deadline(None, now)

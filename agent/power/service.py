@@ -16,7 +16,11 @@ every read and write of the board's files happens (never on the event loop):
    observer collects them on the loop); telemetry is read every ``telemetry_period_s``;
 4. when the controller says the board is idle or sleeping, the batchers are armed: the first
    request after that waits (at most ``wake_timeout_s``) for :meth:`PowerService.wake`, which
-   has the controller boost the board before the request is dispatched;
+   has the controller boost the board before the request is dispatched; with
+   ``release_engine_in_sleep`` the controller's sleep also has every batcher free its
+   instances' engines (``Batcher.release_engine``), and the wake (or the first request itself)
+   re-creates them before anything is dispatched (not bounded by ``wake_timeout_s``: there is
+   nothing to serve with until they are back);
 5. on stop (the daemon's shutdown, or the thread's own failure) the controller stops: it
    restores the saved limits and removes the file (which stays, for the next start, when the
    restore fails).
@@ -206,6 +210,7 @@ class PowerService:
         self._last_wake_s: float | None = None
         self._restored_at_start = False
         self._needs_wake = False
+        self._reload_told_s: float | None = None  # the engine restore the controller was told
         self._unsubscribe: list[Callable[[], None]] = []
         self.last_step_at: float | None = None  # monotonic; set by the power thread
 
@@ -270,6 +275,11 @@ class PowerService:
             self._restored_at_start = self.saved.load() is not None
             controller = self.parts.make_controller(board, self._policy, self.saved,
                                                     self.config)
+            # release_engine_in_sleep: the controller's sleep frees the batchers' engines and
+            # a wake brings them back (a controller double without the hook releases nothing).
+            set_engine_hook = getattr(controller, "set_engine_hook", None)
+            if callable(set_engine_hook):
+                set_engine_hook(self._on_engine)
             controller.start()
             self._controller = controller
             self._after_step(controller)
@@ -390,6 +400,19 @@ class PowerService:
             # goes straight on. The loop runs these in the order they were sent.
             self._on_loop(self._disarm)
         self._needs_wake = needs_wake
+        self._tell_engine_reload(controller)
+
+    def _tell_engine_reload(self, controller: PowerController) -> None:
+        """Hand the controller the longest engine restore the batchers measured (sleep's
+        break-even with ``release_engine_in_sleep``), each time it changes."""
+        measured = [seconds for batcher in self._serving
+                    if isinstance(seconds := getattr(batcher, "last_restore_s", None), float)]
+        if not measured or max(measured) == self._reload_told_s:
+            return
+        self._reload_told_s = max(measured)
+        setter = getattr(controller, "set_engine_reload_s", None)
+        if callable(setter):
+            setter(self._reload_told_s)
 
     def _stop_controller(self, controller: PowerController | None,
                          board: BoardControl | None) -> BaseException | None:
@@ -461,6 +484,20 @@ class PowerService:
                 loop.call_soon_threadsafe(callback)
             except RuntimeError:
                 pass  # the loop closed meanwhile: nothing left to arm
+
+    def _on_engine(self, restore: bool) -> None:
+        """The controller's engine hook (power thread): sleep releases every model's engines,
+        a wake restores them, on the loop. The batcher holds requests until they are back, so
+        a request that comes before the restore is done waits, and one that comes while they
+        are released restores them itself."""
+        def apply() -> None:
+            for batcher in self._batchers():
+                if restore:
+                    batcher.restore_engine()
+                else:
+                    batcher.release_engine()
+
+        self._on_loop(apply)
 
     def _arm(self) -> None:
         if self._running:
