@@ -144,16 +144,21 @@ def test_the_daemons_sleep_releases_the_engine_and_requests_across_sleeps_all_su
             seen["answered"] += 9
         seen["releases"] = batcher.engine_releases
         seen["restores"] = batcher.engine_restores
+        seen["engine"] = daemon.power.status()["engine"] if daemon.power else None
         seen["stats"] = service.stats()
 
     run_foreground(daemon, session=session)
     assert seen["answered"] == 27  # every infer() asserted its 200
+    engine = seen["engine"]
+    assert (engine["releases"], engine["restores"]) == (seen["releases"], seen["restores"])
     if release:
         assert seen["asleep_active"] == [[False]] * 3  # freed in each sleep
         assert seen["releases"] >= 3 and seen["restores"] >= 3
+        assert engine["last_restore_s"] is not None and engine["last_restore_s"] >= 0
     else:
         assert seen["asleep_active"] == [[True]] * 3
         assert (seen["releases"], seen["restores"]) == (0, 0)
+        assert engine["last_restore_s"] is None
 
 
 def test_a_measured_engine_restore_sizes_the_sleeps_break_even() -> None:

@@ -630,7 +630,21 @@ class PowerService:
             "restored_at_start": self._restored_at_start,
             "telemetry_period_s": self.config.telemetry_period_s,
             "telemetry": None if telemetry is None else telemetry_to_json(telemetry),
+            "engine": self._engine_status(),
         }
+
+    def _engine_status(self) -> dict[str, Any]:
+        """``release_engine_in_sleep`` as it went: how many models' engines are released now,
+        the releases and restores so far, the longest last restore (seconds)."""
+        batchers = [batcher for batcher in self._batchers()
+                    if hasattr(batcher, "engine_state")]
+        restores = [batcher.last_restore_s for batcher in batchers
+                    if batcher.last_restore_s is not None]
+        return {"released": sum(1 for batcher in batchers
+                                if batcher.engine_state.value != "active"),
+                "releases": sum(batcher.engine_releases for batcher in batchers),
+                "restores": sum(batcher.engine_restores for batcher in batchers),
+                "last_restore_s": max(restores) if restores else None}
 
     def reported(self) -> dict[str, Any]:
         """``reported.power``: whether the governor runs, its state, the point in force, power
