@@ -37,6 +37,21 @@ class AgentError(Exception):
                             for name, value in self.fields.items())
         return f"{message} ({details})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its class, its arguments and its attributes, rebuilt without calling
+        # __init__: the default would call ``cls(message)`` and lose the facts (or fail, for a
+        # subclass whose ``reason`` is required). The update's file worker (agent/update/
+        # fileworker.py) sends its errors back to the daemon so.
+        return (_rebuild_error, (type(self), self.args, self.__dict__))
+
+
+def _rebuild_error(cls: type[AgentError], args: tuple[Any, ...],
+                   state: dict[str, Any]) -> AgentError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 MAX_MESSAGE_CHARS = 2000
 MAX_FIELD_CHARS = 1000

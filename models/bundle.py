@@ -384,6 +384,21 @@ class VerifiedBundle:
         fsync_dir(dest_dir.parent)
         return dest_dir
 
+    def write_members(self, directory: Path) -> None:
+        """Write the verified members into ``directory``, an empty directory that already
+        exists, each hashed as it is written and fsynced, and the directory fsynced: what
+        :meth:`extract` renames into place, for a caller that renames it itself (the model
+        store, under its lock, once the update's file worker wrote it: agent/update/
+        fileworker.py).
+
+        Raises:
+            BundleError: a member's bytes no longer match the manifest. What was written is
+                left for the caller to remove.
+            OSError: writing fails.
+        """
+        self._write_members(Path(directory))
+        os.chmod(directory, EXTRACTED_DIR_MODE)
+
     def _write_members(self, staging: Path) -> None:
         _write_synced(staging / MANIFEST_MEMBER, self._manifest_bytes)
         _write_synced(staging / SIGNATURE_MEMBER, self._signature_bytes)

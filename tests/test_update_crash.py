@@ -162,11 +162,17 @@ class Board:
             self.wait_recovered()
 
     def kill(self) -> dict[str, Any]:
-        """SIGKILL the daemon; returns the journal as the kill left it on disk."""
+        """SIGKILL the daemon; returns the journal as the kill left it on disk. Its update file
+        worker (agent/update/fileworker.py) must not outlive it."""
         assert self.process is not None
+        workers = file_workers_of(self.process.pid)
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=30)
         self.process = None
+        deadline = time.monotonic() + 10
+        while left := [pid for pid in workers if _alive(pid)]:
+            assert time.monotonic() < deadline, f"file workers {left} outlived their daemon"
+            time.sleep(0.05)
         return read_journal(self.state)
 
     def stop(self) -> None:
@@ -291,6 +297,29 @@ def board(tmp_path: Path) -> Iterator[Board]:
 def trust_config(board: Board) -> Any:
     return load_config(None, env={}, overrides={"state_dir": board.state,
                                                 "trust.public_keys": [board.public_key]})
+
+
+def file_workers_of(daemon_pid: int) -> list[int]:
+    """The pids of the update file worker processes whose parent is ``daemon_pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == daemon_pid and b"agent.update.fileworker" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 # -- what the disk says --------------------------------------------------------------------------
@@ -447,6 +476,7 @@ def test_a_kill_in_each_state_restarts_on_a_verified_model(board: Board, name: s
         board.wait_for("rolling-back")
     else:
         board.wait_for(case.state, pointer_version=2 if case.committed_before_kill else None)
+    assert board.process is not None and file_workers_of(board.process.pid)  # checked by kill
     journal = board.kill()
     assert journal["state"] == case.state, journal["state"]
     update_id = journal["update"]["id"]

@@ -420,8 +420,12 @@ def test_the_updates_file_work_and_loading_run_below_the_daemons_priority(
     monkeypatch.setattr(download_module._Transfer, "run",
                         recording("download", download_module._Transfer.run))
     monkeypatch.setattr(steps_module, "open_bundle",
-                        recording("verify", steps_module.open_bundle))
-    monkeypatch.setattr(ModelStore, "install", recording("install", ModelStore.install))
+                        recording("verify_in_daemon", steps_module.open_bundle))
+    monkeypatch.setattr(ModelStore, "install", recording("install_in_daemon", ModelStore.install))
+    monkeypatch.setattr(ModelStore, "begin_install",
+                        recording("begin_install", ModelStore.begin_install))
+    monkeypatch.setattr(ModelStore, "finish_install",
+                        recording("finish_install", ModelStore.finish_install))
     monkeypatch.setattr(OnnxRuntimeBackend, "activate",
                         recording("activate", OnnxRuntimeBackend.activate))
     v2, _ = make_bundle(setup["dir"], version=2, key=setup["key"])
@@ -431,8 +435,123 @@ def test_the_updates_file_work_and_loading_run_below_the_daemons_priority(
         seen.clear()  # the first version's instances were made at the daemon's priority
         applied = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v2)})
         await _until_idle(daemon)
+        assert daemon.update_steps is not None
+        worker = daemon.update_steps.file_worker
+        applied["worker"] = await _in_thread(worker.call, "ping")
+        applied["worker_starts"] = worker.starts
         return applied  # type: ignore[no-any-return]
 
-    assert run_foreground(daemon, session=session)["serving"]["version"] == 2
-    assert set(seen) == {"download", "verify", "install", "activate"}, seen
+    applied = run_foreground(daemon, session=session)
+    assert applied["serving"]["version"] == 2
+    # The bundle was opened and its members written by the file worker, not in the daemon:
+    # the daemon's thread only made the staging directory and renamed it into place.
+    assert set(seen) == {"download", "begin_install", "finish_install", "activate"}, seen
     assert all(nice > base for values in seen.values() for nice in values), (base, seen)
+    assert applied["worker"]["nice"] >= base + 10, (base, applied["worker"])
+    assert applied["worker"]["pid"] != os.getpid()
+    assert applied["worker_starts"] == 1
+
+
+# -- the file worker process (agent/update/fileworker.py) -------------------------------------
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+
+
+async def _stuck_in_verifying(daemon: Daemon, bundle: Path) -> int:
+    """Stop the file worker (SIGSTOP) and apply ``bundle``: its verifying step's call then
+    waits on a worker that never answers. Returns the stopped worker's pid."""
+    import os
+    import signal
+
+    assert daemon.update_steps is not None and daemon.updater is not None
+    worker, updater = daemon.update_steps.file_worker, daemon.updater
+    await _until(lambda: worker.pid is not None)  # started with the updater
+    stuck = worker.pid
+    assert stuck is not None
+    os.kill(stuck, signal.SIGSTOP)
+    await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(bundle), "wait": False})
+    await _until(lambda: updater.state.value == "verifying")
+    await asyncio.sleep(0.3)  # the call is sent; the worker cannot answer it
+    assert updater.state.value == "verifying"
+    return stuck
+
+
+def _gone(pid: int) -> bool:
+    from pathlib import Path as _Path
+
+    try:
+        return _Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_file_worker_killed_in_a_step_fails_the_update_with_its_reason_and_the_next_commits(
+        setup: dict[str, Any]) -> None:
+    import os
+    import signal
+
+    v2, _ = make_bundle(setup["dir"], version=2, key=setup["key"])
+    v3, _ = make_bundle(setup["dir"], version=3, key=setup["key"])
+    daemon = _daemon(setup, require_traffic=False, duration_s=0.5)
+
+    async def session(port: int) -> dict[str, Any]:
+        stuck = await _stuck_in_verifying(daemon, v2)
+        os.kill(stuck, signal.SIGKILL)  # as the OOM killer would
+        failed = await _until_idle(daemon)
+        applied = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v3)})
+        await _until_idle(daemon)
+        assert daemon.update_steps is not None
+        return {"failed": failed, "applied": applied,
+                "starts": daemon.update_steps.file_worker.starts}
+
+    out = run_foreground(daemon, session=session)
+    outcome = out["failed"]["last_outcome"]
+    assert (outcome["result"], outcome["reason"], outcome["state"]) == (
+        "failed", "worker_died", "verifying"), outcome
+    assert "killed by SIGKILL" in outcome["detail"], outcome
+    assert out["applied"]["serving"]["version"] == 3
+    assert out["starts"] == 2
+
+
+@pytest.mark.parametrize("ending", ["newer_request", "deadline"])
+def test_a_step_stuck_in_the_file_worker_ends_at_a_newer_request_or_its_deadline(
+        setup: dict[str, Any], ending: str) -> None:
+    """A worker that never answers (stopped) must not hold the update: a newer request or the
+    state's deadline ends the step at once by killing it, and the next update gets a new one
+    (without the kill, the file thread would wait on the stuck call for good and every later
+    update would queue behind it)."""
+    v2, _ = make_bundle(setup["dir"], version=2, key=setup["key"])
+    v3, _ = make_bundle(setup["dir"], version=3, key=setup["key"])
+    daemon = Daemon(setup["config"], canary_policy=CanaryPolicy(
+        duration_s=0.5, min_samples=16, watch_min_requests=20, require_traffic=False),
+        update_policy=UpdatePolicy(watch_window_s=1.0, verifying_s=2.0))
+
+    async def session(port: int) -> dict[str, Any]:
+        stuck = await _stuck_in_verifying(daemon, v2)
+        started = time.monotonic()
+        if ending == "deadline":
+            failed = await _until_idle(daemon)
+        else:
+            failed = None
+        applied = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v3)})
+        status = await _until_idle(daemon)
+        assert daemon.update_steps is not None
+        return {"failed": failed, "applied": applied, "status": status, "stuck": stuck,
+                "seconds": time.monotonic() - started,
+                "starts": daemon.update_steps.file_worker.starts}
+
+    out = run_foreground(daemon, session=session)
+    assert out["applied"]["serving"]["version"] == 3
+    assert out["starts"] == 2 and _gone(out["stuck"])
+    assert out["seconds"] < 15, out["seconds"]
+    if ending == "deadline":
+        outcome = out["failed"]["last_outcome"]
+        assert (outcome["reason"], outcome["state"]) == ("deadline", "verifying"), outcome
+    else:
+        history = out["status"]["history"]
+        assert any(event["from"] == "verifying" and event["reason"] == "superseded"
+                   for event in history), history

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import uuid
 import weakref
@@ -279,6 +280,94 @@ class ModelStore:
             log.info("installed %s (signed by key %s)", ref, bundle.key_id)
             return self._artifacts(ref, directory, manifest)
 
+    def begin_install(self, manifest: dict[str, Any]) -> Path | None:
+        """The first half of an install whose members another process writes (the update's file
+        worker, agent/update/fileworker.py): a new, empty staging directory for the version
+        ``manifest`` (a verified bundle's) describes, beside where it will be installed, named
+        as the start's recovery removes it (``models/<name>/.<version>.extract-<id>``), so
+        that a SIGKILL of either process leaves nothing the next :meth:`open` does not clean.
+        Write the bundle's members into it (:meth:`VerifiedBundle.write_members
+        <models.bundle.VerifiedBundle.write_members>`), then :meth:`finish_install`; or
+        :meth:`abandon_install` it.
+
+        Returns:
+            The staging directory; None when this version is installed already (call
+            :meth:`install`, which tells an intact copy from a damaged one and a different
+            publication).
+
+        Raises:
+            StoreError: the manifest names no valid model version, there is not enough free
+                space, or the directory cannot be made.
+        """
+        self._require_open()
+        ref = model_ref(manifest["name"], manifest["version"])
+        with self._lock:
+            directory = self._version_dir(ref)
+            if exists(directory):
+                return None
+            self._check_free_space(manifest)
+            make_dir(directory.parent)
+            staging = directory.with_name(f".{ref.version}.extract-{uuid.uuid4().hex[:12]}")
+            try:
+                staging.mkdir()
+            except OSError as exc:
+                raise StoreError("cannot create a staging directory", path=staging,
+                                 reason=exc.strerror) from exc
+            return staging
+
+    def finish_install(self, staging: Path, manifest: dict[str, Any], manifest_bytes: bytes,
+                       key_id: str) -> ModelArtifacts:
+        """The second half of :meth:`begin_install`: check what was written into ``staging``
+        and rename it into place atomically, under the store's lock. ``manifest`` and
+        ``manifest_bytes`` are the verified bundle's (its signature checked over those bytes,
+        every member hashed as it was written by the writer); the checks here are that the
+        staging directory is the one :meth:`begin_install` made for that version and holds
+        exactly that manifest and every artifact at its size. On any error the staging
+        directory is removed.
+
+        Raises:
+            StoreError: the directory is not a staging directory of this store for that
+                version, its manifest differs, an artifact is missing or of the wrong size, the
+                version got installed meanwhile, or the rename fails.
+        """
+        self._require_open()
+        staging = Path(staging)
+        ref = model_ref(manifest["name"], manifest["version"])
+        directory = self._version_dir(ref)
+        try:
+            with self._lock:
+                if staging.parent != directory.parent or not _STAGING_DIR.fullmatch(
+                        staging.name) or not staging.name.startswith(f".{ref.version}.extract-"):
+                    raise StoreError("not a staging directory of this store for the version",
+                                     path=staging, expected=str(ref))
+                if read_small(staging / MANIFEST_MEMBER) != manifest_bytes:
+                    raise StoreError("the staged manifest differs from the verified one",
+                                     path=staging / MANIFEST_MEMBER)
+                for member, entry in sorted(manifest["artifacts"].items()):
+                    _check_size(staging / member, int(entry["size"]))
+                if exists(directory):
+                    raise StoreError("the version was installed while it was being staged",
+                                     path=directory)
+                remove_tree(self._engine_dir(ref, create=False))
+                try:
+                    os.rename(staging, directory)
+                except OSError as exc:
+                    raise StoreError("cannot install the staged version", path=directory,
+                                     reason=exc.strerror) from exc
+                fsync_dir(directory.parent)
+        except BaseException:
+            self.abandon_install(staging)
+            raise
+        log.info("installed %s (signed by key %s)", ref, key_id)
+        return self._artifacts(ref, directory, manifest)
+
+    def abandon_install(self, staging: Path) -> None:
+        """Remove a staging directory of :meth:`begin_install` (gone already: nothing)."""
+        try:
+            remove_tree(Path(staging))
+        except StoreError as exc:
+            log.warning("could not remove an unfinished install (the next start does): %s", exc)
+
     def _reinstall(self, ref: ModelRef, directory: Path,
                    manifest_bytes: bytes) -> ModelArtifacts | None:
         """A version being installed again: the installed copy when it is intact, else None
@@ -496,3 +585,15 @@ class ModelStore:
                 directory.parent.rmdir()  # the model's last version: drop its directory too
             except OSError:
                 pass
+
+
+def _check_size(path: Path, size_bytes: int) -> None:
+    try:
+        found = os.lstat(path)
+    except OSError as exc:
+        raise StoreError("a staged artifact is missing", path=path, reason=exc.strerror) from exc
+    if not stat.S_ISREG(found.st_mode) or found.st_size != size_bytes:
+        raise StoreError("a staged artifact is not a file of its size", path=path,
+                         expected=f"{size_bytes} bytes",
+                         found=f"{found.st_size} bytes" if stat.S_ISREG(found.st_mode)
+                         else "not a regular file")

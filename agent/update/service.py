@@ -71,9 +71,13 @@ def attach_updater(daemon: Daemon, *, policy: UpdatePolicy | None = None,
     commands = UpdateCommands(daemon, updater, steps)
 
     async def run() -> None:
+        # The file worker's start (an interpreter, at low priority) is paid here, once, rather
+        # than by the first update.
+        starting = asyncio.ensure_future(steps.start_worker())
         try:
             await updater.run()
         finally:
+            starting.cancel()
             await steps.close()
             steps.shutdown()
 

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from agent import __version__, runtime
 from agent.backends import ModelArtifacts, backend_class, resolve_backend_name
@@ -50,8 +52,9 @@ from agent.batcher import BatchPolicy
 from agent.errors import AgentError, BundleError, SignatureError, StoreError, UpdateError
 from agent.update.canary import CanaryPolicy, HealthWatch, ShadowCanary
 from agent.update.download import DownloadPolicy, discard_partial, download
+from agent.update.fileworker import FileWorker
 from agent.update.journal import BundleId
-from agent.update.priority import LowPriority
+from agent.update.priority import LOAD_NICE_INCREMENT, LowPriority
 from agent.update.updater import UpdateJob, Verdict
 from models.bundle import open_bundle
 from models.manifest import check_target
@@ -114,8 +117,13 @@ class DaemonSteps:
         self._old_p95_s: float | None = None  # the old version's, measured during the canary
         # The update's own file work (hashing, signature and member checks, installing into
         # the store, loading it back, removing files) on one thread of low priority, like the
-        # candidate's loading: staging must not take the serving instances' CPU either.
+        # candidate's loading: staging must not take the serving instances' CPU either. The
+        # heavy part of it (opening the bundle, writing its members) goes on from that thread
+        # to the file worker process, out of the daemon's GIL.
         self._files = LowPriority("update-files")
+        self.file_worker = FileWorker(
+            nice=os.getpriority(os.PRIO_PROCESS, 0) + LOAD_NICE_INCREMENT)
+        self._warned_in_process = False
 
     # -- what serves ------------------------------------------------------------------------
 
@@ -146,10 +154,59 @@ class DaemonSteps:
         path = downloaded_bundle(job, self._destination(job.source))
         service = self.service
         keys, device_class = self.daemon.config.trust.keys, self.daemon.config.device_class
-        return await asyncio.get_running_loop().run_in_executor(
-            self._files.executor, lambda: check_bundle(
-                path, keys, serving=service, device_class=device_class,
-                allow_downgrade=job.allow_downgrade, sha256=job.notes.get("sha256")))
+        sha256 = job.notes.get("sha256")
+
+        def work() -> BundleId:
+            try:
+                opened = self.file_worker.call(
+                    "open_checked", path=str(path), public_keys=_raw_keys(keys),
+                    agent_version=__version__, sha256=sha256)
+            except UpdateError as exc:
+                if exc.reason != "worker_unavailable":
+                    raise
+                self._warn_in_process(exc)
+                return check_bundle(path, keys, serving=service, device_class=device_class,
+                                    allow_downgrade=job.allow_downgrade, sha256=sha256)
+            except BundleError as exc:  # SignatureError included
+                raise _refusal(exc) from exc
+            job.notes["manifest"] = opened["manifest"]
+            return judge_bundle(opened["manifest"], opened["sha256"], serving=service,
+                                device_class=device_class, allow_downgrade=job.allow_downgrade)
+
+        return await self._killable(work)
+
+    async def start_worker(self) -> None:
+        """Start the file worker process ahead of the first update (at low priority, off the
+        loop); one that cannot start is warned about, and the updates then do their file work
+        in the daemon."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._files.executor,
+                                                             self.file_worker.start)
+        except UpdateError as exc:
+            self._warn_in_process(exc)
+
+    async def _killable(self, work: Callable[[], T]) -> T:
+        """``work`` (which calls the file worker) on the file thread; a cancellation (a newer
+        request, the state's deadline) kills the worker, so the call ends at once instead of
+        when its file is written, and waits for ``work`` to see it (it removes what it
+        started). The next call starts a new worker."""
+        future = asyncio.get_running_loop().run_in_executor(self._files.executor, work)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                self.file_worker.kill()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await future
+            raise
+
+    def _warn_in_process(self, exc: UpdateError) -> None:
+        """No worker process (a sandbox that forbids it, no memory for it): the update's file
+        work is done on the daemon's file thread instead, as correct, only holding the
+        daemon's GIL. Said once per daemon at warning level, then at info level."""
+        level = logging.INFO if self._warned_in_process else logging.WARNING
+        self._warned_in_process = True
+        log.log(level, "the update's file work runs in the daemon (%s)", exc)
 
     # -- staging and loading -----------------------------------------------------------------
 
@@ -157,8 +214,35 @@ class DaemonSteps:
         path = Path(job.notes.get("bundle_path") or self._destination(job.source))
         store = self.daemon.store
         loop = asyncio.get_running_loop()
+        manifest = job.notes.get("manifest")
+        keys = self.daemon.config.trust.keys
+
+        def work() -> ModelArtifacts:
+            # The worker writes the members into a staging directory the store made; the store
+            # checks it and renames it into place under its lock. A version installed already,
+            # or no worker: the store's own install, on this thread.
+            staging = None if manifest is None else store.begin_install(manifest)
+            if manifest is None or staging is None:
+                return store.install(path)
+            try:
+                written = self.file_worker.call(
+                    "write_members", path=str(path), public_keys=_raw_keys(keys),
+                    agent_version=__version__, directory=str(staging),
+                    name=manifest["name"], version=manifest["version"])
+            except UpdateError as exc:
+                store.abandon_install(staging)
+                if exc.reason != "worker_unavailable":
+                    raise
+                self._warn_in_process(exc)
+                return store.install(path)
+            except BaseException:
+                store.abandon_install(staging)
+                raise
+            return store.finish_install(staging, written["manifest"], written["manifest_bytes"],
+                                        written["key_id"])
+
         try:
-            artifacts = await loop.run_in_executor(self._files.executor, store.install, path)
+            artifacts = await self._killable(work)
         except (StoreError, BundleError) as exc:
             raise UpdateError(f"the bundle could not be installed: {exc.message}",
                               reason="install_failed", **_facts(exc)) from exc
@@ -355,8 +439,9 @@ class DaemonSteps:
         return candidate
 
     def shutdown(self) -> None:
-        """The daemon stops: end the file thread (after :meth:`close`)."""
+        """The daemon stops: end the file thread and the file worker (after :meth:`close`)."""
         self._files.close()
+        self.file_worker.close()
 
     async def close(self) -> None:
         """Free the candidate's instances, off the loop (a discarded update, a daemon stopping
@@ -458,6 +543,21 @@ def downloaded_bundle(job: UpdateJob, destination: Path) -> Path:
     return path
 
 
+def _raw_keys(keys: Sequence[Ed25519PublicKey]) -> list[bytes]:
+    """Public keys as the file worker takes them (raw Ed25519 bytes: key objects do not
+    pickle)."""
+    return [key.public_bytes(Encoding.Raw, PublicFormat.Raw) for key in keys]
+
+
+def _refusal(exc: BundleError) -> UpdateError:
+    """What ``open_bundle`` refused, as the verifying state's failure."""
+    if isinstance(exc, SignatureError):
+        return UpdateError(f"the bundle's signature is not trusted: {exc.message}",
+                           reason="bad_signature", **_facts(exc))
+    return UpdateError(f"the bundle is refused: {exc.message}", reason="bad_bundle",
+                       **_facts(exc))
+
+
 def check_bundle(path: Path, keys: Sequence[Ed25519PublicKey], *, serving: Any,
                  device_class: str, allow_downgrade: bool = False,
                  sha256: str | None = None) -> BundleId:
@@ -476,13 +576,21 @@ def check_bundle(path: Path, keys: Sequence[Ed25519PublicKey], *, serving: Any,
         sha256 = _file_sha256(path)
     try:
         bundle = open_bundle(path, keys, agent_version=__version__)
-    except SignatureError as exc:
-        raise UpdateError(f"the bundle's signature is not trusted: {exc.message}",
-                          reason="bad_signature", **_facts(exc)) from exc
-    except BundleError as exc:
-        raise UpdateError(f"the bundle is refused: {exc.message}", reason="bad_bundle",
-                          **_facts(exc)) from exc
-    manifest = bundle.manifest
+    except BundleError as exc:  # SignatureError included
+        raise _refusal(exc) from exc
+    return judge_bundle(bundle.manifest, sha256, serving=serving, device_class=device_class,
+                        allow_downgrade=allow_downgrade)
+
+
+def judge_bundle(manifest: dict[str, Any], sha256: str, *, serving: Any, device_class: str,
+                 allow_downgrade: bool = False) -> BundleId:
+    """The verifying state's checks of an opened bundle's verified ``manifest`` (cheap: what
+    :func:`check_bundle` does after ``open_bundle``): the model, anti-rollback, the target, the
+    inputs and outputs.
+
+    Raises:
+        UpdateError: ``wrong_model``, ``downgrade``, ``wrong_target``, ``incompatible``.
+    """
     name, version = manifest["name"], manifest["version"]
     if name != serving.name:
         raise UpdateError("the bundle is of another model than the one this daemon serves",
