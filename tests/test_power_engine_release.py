@@ -197,3 +197,39 @@ def test_a_measured_engine_restore_sizes_the_sleeps_break_even() -> None:
     assert sleeps(0.005) >= 10
     with pytest.raises(AgentError, match="finite number of seconds"):
         Controller(StrictBoard(clock=FakeClock()), PowerPolicy()).set_engine_reload_s(-1.0)
+
+
+def test_a_tensorrt_engine_is_freed_in_sleep_and_comes_back_from_its_cached_plan(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The same cycle on the TensorRT backend (the strict fake TensorRT and CUDA of
+    tests/fakes): the release frees the engine, context and device memory; the restore
+    deserializes the plan cached at the first activation instead of building again."""
+    pytest.importorskip("onnx")
+    import numpy as np
+
+    from tests.fakes.trt_board import live_objects, make_artifacts, make_board, reference
+
+    board = make_board(monkeypatch, tmp_path)
+    artifacts = make_artifacts(tmp_path)
+    backend = board.backend(artifacts)
+    backend.activate()
+    batcher = Batcher([backend], BatchPolicy(max_batch_size=4, max_queue_delay_us=0))
+    frames = np.random.default_rng(1).normal(size=(1, 3, 8, 8)).astype(np.float32)
+
+    async def main() -> None:
+        batcher.start()
+        batcher.release_engine()
+        await until(lambda: batcher.engine_state is EngineState.RELEASED)
+        assert live_objects(board) == {} and board.state.gpu.live_regions == 0
+        answer = await asyncio.wait_for(batcher.submit({"images": frames}), 10)
+        np.testing.assert_allclose(answer.outputs["features"], reference(artifacts, frames),
+                                   rtol=1e-4, atol=1e-4)
+        assert live_objects(board) == {"Runtime": 1, "ICudaEngine": 1, "IExecutionContext": 1}
+        await batcher.stop()
+
+    try:
+        asyncio.run(main())
+        assert backend.engine_source is not None and backend.engine_source.origin == "cache"
+        assert len(board.state.builds) == 1  # built once, at the first activation
+    finally:
+        backend.deactivate()
