@@ -207,7 +207,12 @@ def test_a_tensorrt_engine_is_freed_in_sleep_and_comes_back_from_its_cached_plan
     pytest.importorskip("onnx")
     import numpy as np
 
-    from tests.fakes.trt_board import live_objects, make_artifacts, make_board, reference
+    from tests.fakes.trt_board import (
+        live_objects,
+        make_artifacts,
+        make_board,
+        reference,
+    )
 
     board = make_board(monkeypatch, tmp_path)
     artifacts = make_artifacts(tmp_path)
