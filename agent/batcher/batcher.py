@@ -114,6 +114,7 @@ class Batcher:
         self._engine = EngineState.ACTIVE
         self._engine_task: asyncio.Task[None] | None = None
         self._restore_after_release = False
+        self._engine_tried: set[int] = set()  # instances (by index) the release or restore took
         self.engine_releases = 0  # releases done
         self.engine_restores = 0  # restores done
         self.last_restore_s: float | None = None  # how long the last restore took
@@ -328,6 +329,7 @@ class Batcher:
             return
         self._engine = EngineState.RELEASING
         self._restore_after_release = False
+        self._engine_tried = set()
         self._engine_task = asyncio.get_running_loop().create_task(self._release(),
                                                                    name="release-engine")
 
@@ -340,48 +342,70 @@ class Batcher:
             self._restore_after_release = True
         elif self._engine is EngineState.RELEASED:
             self._engine = EngineState.RESTORING
+            self._engine_tried = set()
             self._engine_task = asyncio.get_running_loop().create_task(self._restore(),
                                                                        name="restore-engine")
 
     async def _release(self) -> None:
         loop = asyncio.get_running_loop()
-        instances = list(self._instances)
         started = time.monotonic()
+        released = 0
         try:
-            while any(instance.outstanding for instance in instances):
-                await asyncio.sleep(0.002)
-            # On each instance's run thread: where its engine runs (a CUDA context's thread).
-            for instance in instances:
+            # Over the instances serving as it goes, never over a list taken at the start: an
+            # autoscaler's removal or a swap may take instances away meanwhile (their owner
+            # frees them and their threads are shut down); a swap's new ones are released too.
+            while (instance := await self._next_instance(active=True)) is not None:
+                # On the instance's run thread: where its engine runs (a CUDA context's thread).
                 await loop.run_in_executor(instance.run_pool, instance.backend.deactivate)
+                released += 1
         except Exception as exc:  # a failed release leaves the engines as they are
             log.error("releasing the engines failed: %s", exc, exc_info=exc)
         self._engine = EngineState.RELEASED
         self.engine_releases += 1
-        log.info("released the engines of %d instance(s) in %.3f s", len(instances),
+        log.info("released the engines of %d instance(s) in %.3f s", released,
                  time.monotonic() - started)
         if self._restore_after_release or self._queued:
             self._restore_after_release = False
             self.restore_engine()
         self._poke()
 
+    async def _next_instance(self, *, active: bool) -> Instance | None:
+        """The next instance serving whose engine is (``active``) or is not held, once no
+        instance has a batch in flight; None when there is none, or once the batcher stopped
+        (its threads are shut down). Each instance is handed out once per release or restore
+        (one whose deactivate or activate did not take is not tried again)."""
+        tried = self._engine_tried
+        while not self._closed:
+            if active and any(instance.outstanding for instance in self._instances):
+                await asyncio.sleep(0.002)  # a release waits for the batches in flight
+                continue
+            instance = next((i for i in self._instances
+                             if i.backend.active is active and i.index not in tried), None)
+            if instance is not None:
+                tried.add(instance.index)
+            return instance
+        return None
+
     async def _restore(self) -> None:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         try:
-            for instance in list(self._instances):
-                if not instance.backend.active:
-                    await loop.run_in_executor(instance.run_pool, instance.backend.activate)
+            # Over the instances serving as it goes (see _release): one that left meanwhile is
+            # its owner's to free, and its stopped threads are never asked to activate it.
+            while (instance := await self._next_instance(active=False)) is not None:
+                await loop.run_in_executor(instance.run_pool, instance.backend.activate)
         except Exception as exc:  # the waiting requests get the error
             self._engine = EngineState.RELEASED  # the next request tries again
             log.error("restoring the engines failed: %s", exc, exc_info=exc)
             self._fail_queued(exc if isinstance(exc, AgentError) else AgentError(
                 f"the engine could not be restored after sleep: {type(exc).__name__}: {exc}"))
         else:
-            self._engine = EngineState.ACTIVE
-            self.engine_restores += 1
-            self.last_restore_s = time.monotonic() - started
-            log.info("restored the engines of %d instance(s) in %.3f s", len(self._instances),
-                     self.last_restore_s)
+            if not self._closed:
+                self._engine = EngineState.ACTIVE
+                self.engine_restores += 1
+                self.last_restore_s = time.monotonic() - started
+                log.info("restored the engines of %d instance(s) in %.3f s",
+                         len(self._instances), self.last_restore_s)
         finally:
             self._engine_task = None
             self._poke()

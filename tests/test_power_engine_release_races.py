@@ -1,0 +1,196 @@
+"""``release_engine_in_sleep`` against the rest of the daemon: the instances a batcher releases
+and restores change under it (the autoscaler removes or adds one, an update's commit or a
+rollback swaps them all), and the daemon stops while the engines are released or coming back.
+
+Real ONNX Runtime backends of the tests' tiny model; the only addition is a gate on activate (a
+restore that takes as long as the test wants, as a TensorRT engine's does). No test asserts a
+duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from agent.backends.base import BackendOptions
+from agent.batcher import Batcher, BatchPolicy
+from agent.batcher.batcher import EngineState
+from tests.tiny_models import GatedBackend, artifacts_for, tiny_classifier
+
+OPTIONS = BackendOptions(max_batch_size=8, threads=1)
+
+
+class GatedActivate(GatedBackend):
+    """A real ORT backend whose run waits for ``gate`` (tests/tiny_models.py) and whose
+    activate waits for ``activate_gate`` once one is set (a slow restore); it counts its
+    activations."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.activate_gate: threading.Event | None = None
+        self.activations = 0
+        self.activating = threading.Event()
+
+    def activate(self) -> None:
+        if not self.active:
+            self.activating.set()
+            if self.activate_gate is not None and not self.activate_gate.wait(10):
+                raise RuntimeError("test gate never opened")
+            self.activations += 1
+        super().activate()
+
+
+def images(count: int = 1) -> np.ndarray:
+    return np.random.default_rng(0).normal(size=(count, 3, 16, 16)).astype(np.float32)
+
+
+@pytest.fixture()
+def versions(tmp_path: Path) -> dict[int, Any]:
+    return {1: artifacts_for(tiny_classifier(tmp_path / "v1" / "model.onnx")),
+            2: artifacts_for(tiny_classifier(tmp_path / "v2" / "model.onnx", seed=3), version=2)}
+
+
+def active(backends: list[GatedActivate]) -> list[GatedActivate]:
+    for backend in backends:
+        backend.activate()
+    return backends
+
+
+async def until(check: Any, timeout_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not check():
+        assert loop.time() < deadline, "timed out waiting"
+        await asyncio.sleep(0.005)
+
+
+async def released(batcher: Batcher) -> None:
+    batcher.release_engine()
+    await until(lambda: batcher.engine_state is EngineState.RELEASED)
+
+
+async def off_loop(event: threading.Event) -> None:
+    assert await asyncio.get_running_loop().run_in_executor(None, event.wait, 10)
+
+
+def test_an_instance_removed_while_the_engines_are_restored_fails_no_request(
+        versions: dict[int, Any]) -> None:
+    """The autoscaler removes an instance (its windows were quiet: the board slept) while the
+    first requests after the sleep restore the engines: they are all answered, by the instance
+    that stays, and the one removed is not activated again behind its owner's back."""
+    first, second = active([GatedActivate(versions[1], OPTIONS) for _ in range(2)])
+    batcher = Batcher([first, second], BatchPolicy(max_batch_size=8, max_queue_delay_us=0))
+
+    async def main() -> None:
+        batcher.start()
+        await released(batcher)
+        gate = threading.Event()
+        first.activate_gate = gate
+        pending = [batcher.submit({"input": images()}) for _ in range(4)]
+        await off_loop(first.activating)  # the restore is under way, on the first instance
+        assert batcher.engine_state is EngineState.RESTORING
+        removing = asyncio.ensure_future(batcher.remove_backends(1))
+        await asyncio.sleep(0.05)  # the removal has shut the second instance's threads down
+        gate.set()
+        removed = await asyncio.wait_for(removing, 10)
+        assert removed == [second]
+        answers = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+        assert [getattr(answer, "version", answer) for answer in answers] == [1] * 4
+        assert batcher.engine_state is EngineState.ACTIVE and batcher.backends == [first]
+        await batcher.stop()
+
+    asyncio.run(main())
+    try:
+        assert first.active and not second.active and second.activations == 1  # its first only
+        assert batcher.engine_restores == 1
+    finally:
+        first.deactivate()
+        second.deactivate()
+
+
+def test_a_swap_while_the_engines_are_restored_answers_every_request_from_the_new_version(
+        versions: dict[int, Any]) -> None:
+    """An update's commit (or a rollback) swaps the instances while the old version's engines
+    come back: the waiting requests go to the new version, the old instances are handed back
+    for their owner to free and none of them is activated after it left."""
+    old = active([GatedActivate(versions[1], OPTIONS) for _ in range(3)])
+    batcher = Batcher(old, BatchPolicy(max_batch_size=8, max_queue_delay_us=0))
+
+    async def main() -> None:
+        batcher.start()
+        await released(batcher)
+        gate = threading.Event()
+        old[0].activate_gate = gate
+        pending = [batcher.submit({"input": images()}) for _ in range(4)]
+        await off_loop(old[0].activating)
+        new = active([GatedActivate(versions[2], OPTIONS) for _ in range(3)])
+        swapping = asyncio.ensure_future(batcher.replace_backends(new))
+        await asyncio.sleep(0.05)
+        gate.set()
+        returned = await asyncio.wait_for(swapping, 10)
+        for backend in returned:  # the updater's _free
+            backend.deactivate()
+        answers = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+        assert [getattr(answer, "version", answer) for answer in answers] == [2] * 4
+        await asyncio.sleep(0.05)  # a restore still going over the old ones would act now
+        assert batcher.engine_state is EngineState.ACTIVE
+        assert [backend.active for backend in batcher.backends] == [True] * 3
+        await batcher.stop()
+        for backend in new:
+            backend.deactivate()
+
+    asyncio.run(main())
+    assert not any(backend.active for backend in old)
+    # The one under way when the swap came finished; the others stayed released.
+    assert [backend.activations for backend in old] == [2, 1, 1]
+
+
+def test_instances_that_join_or_leave_while_the_engines_are_released_are_released_as_well(
+        versions: dict[int, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """While a release waits for the batch in flight, the autoscaler removes an instance (its
+    owner's to free: never released after its threads stopped) and adds one (released with the
+    others: the board sleeps); the batch in flight is answered, and the next request restores
+    the instances serving."""
+    first, second = active([GatedActivate(versions[1], OPTIONS) for _ in range(2)])
+    batcher = Batcher([first, second], BatchPolicy(max_batch_size=8, max_queue_delay_us=0))
+    joined = GatedActivate(versions[1], OPTIONS)
+
+    async def main() -> None:
+        batcher.start()
+        first.gate.clear()  # the batch in flight runs until the test opens it
+        in_flight = batcher.submit({"input": images()})
+        await off_loop(first.running)
+        batcher.release_engine()
+        await asyncio.sleep(0)  # the release has begun: it waits for the batch
+        assert batcher.engine_state is EngineState.RELEASING
+        assert await asyncio.wait_for(batcher.remove_backends(1), 10) == [second]
+        batcher.add_backends(active([joined]))
+        first.gate.set()
+        assert (await asyncio.wait_for(in_flight, 10)).version == 1
+        await until(lambda: batcher.engine_state is EngineState.RELEASED)
+        assert batcher.backends == [first, joined]
+        assert not first.active and not joined.active
+        assert second.active  # the autoscaler frees it
+        second.deactivate()
+        answer = await asyncio.wait_for(batcher.submit({"input": images()}), 10)
+        assert answer.version == 1 and first.active and joined.active and not second.active
+        await batcher.stop()
+
+    with caplog.at_level(logging.ERROR, logger="agent.batcher.batcher"):
+        asyncio.run(main())
+    try:
+        assert [record.getMessage() for record in caplog.records
+                if record.levelno >= logging.ERROR] == []
+        assert (batcher.engine_releases, batcher.engine_restores) == (1, 1)
+    finally:
+        for backend in (first, second, joined):
+            backend.deactivate()
+
