@@ -10,6 +10,7 @@ duration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -23,6 +24,9 @@ pytest.importorskip("onnxruntime")
 from agent.backends.base import BackendOptions
 from agent.batcher import Batcher, BatchPolicy
 from agent.batcher.batcher import EngineState
+from agent.daemon import Daemon
+from agent.run import run_foreground
+from tests.test_power_daemon import infer, installed  # noqa: F401 - the fixture
 from tests.tiny_models import GatedBackend, artifacts_for, tiny_classifier
 
 OPTIONS = BackendOptions(max_batch_size=8, threads=1)
@@ -194,3 +198,42 @@ def test_instances_that_join_or_leave_while_the_engines_are_released_are_release
         for backend in (first, second, joined):
             backend.deactivate()
 
+
+def test_a_daemon_stopped_while_its_engines_are_released_does_not_restore_them(
+        installed: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """SIGTERM (or any stop) while the board sleeps with the engines released: the stop wakes
+    the controller, which puts the board's limits back, but the engines are not re-created only
+    to be freed a moment later (a TensorRT engine's restore is seconds on a Jetson, and its
+    memory is what the sleep had let go)."""
+    config = installed["config"]
+    config = dataclasses.replace(config, power=dataclasses.replace(
+        config.power, release_engine_in_sleep=True))
+    daemon = Daemon(config)
+    seen: dict[str, Any] = {}
+
+    async def session(port: int) -> None:
+        loop = asyncio.get_running_loop()
+        await until(lambda: daemon.power is not None and daemon.power.status()["running"])
+        batcher = daemon.services["tiny"].batcher
+        for _ in range(2):  # the second sleep's release follows a restore
+            await until(lambda: daemon.power is not None
+                        and daemon.power.status()["state"] == "sleeping"
+                        and batcher.engine_state is EngineState.RELEASED)
+            await loop.run_in_executor(None, infer, port)
+        await until(lambda: daemon.power is not None
+                    and daemon.power.status()["state"] == "sleeping"
+                    and batcher.engine_state is EngineState.RELEASED)
+        seen["batcher"] = batcher
+        seen["activations"] = activations()
+
+    def activations() -> int:
+        return sum(1 for record in caplog.records
+                   if record.getMessage().startswith("onnxruntime backend active"))
+
+    with caplog.at_level(logging.INFO, logger="agent.backends.onnxruntime"):
+        run_foreground(daemon, session=session)
+    batcher = seen["batcher"]
+    assert seen["activations"] == 3  # the start's, and a restore after each of two sleeps
+    assert activations() == seen["activations"]
+    assert batcher.engine_restores == 2
+    assert not any(backend.active for backend in batcher.backends)

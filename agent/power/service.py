@@ -23,7 +23,8 @@ every read and write of the board's files happens (never on the event loop):
    nothing to serve with until they are back);
 5. on stop (the daemon's shutdown, or the thread's own failure) the controller stops: it
    restores the saved limits and removes the file (which stays, for the next start, when the
-   restore fails).
+   restore fails). At the daemon's shutdown the engines that sleep released stay released (a
+   request that still comes re-creates them itself); after the thread's failure they come back.
 
 A failure of the power thread fails the task, which the supervisor logs and reports
 (``edge_agent_task_up{task="power"} 0``); the model serves on, on the board's restored limits.
@@ -490,6 +491,14 @@ class PowerService:
         a wake restores them, on the loop. The batcher holds requests until they are back, so
         a request that comes before the restore is done waits, and one that comes while they
         are released restores them itself."""
+        if restore and self._stopping.is_set():
+            # The governor is stopping (the daemon's shutdown): its controller's stop puts the
+            # board back, but re-creating the engines only for the daemon to free them would
+            # hold its stop for each instance's restore (seconds for a TensorRT engine) and take
+            # back the memory the sleep let go. A request that still comes restores them itself.
+            log.info("the engines stay released: the power governor is stopping")
+            return
+
         def apply() -> None:
             for batcher in self._batchers():
                 if restore:
