@@ -418,7 +418,7 @@ def test_the_updates_file_work_and_loading_run_below_the_daemons_priority(
         return wrapper
 
     monkeypatch.setattr(download_module._Transfer, "run",
-                        recording("download", download_module._Transfer.run))
+                        recording("download_in_daemon", download_module._Transfer.run))
     monkeypatch.setattr(steps_module, "open_bundle",
                         recording("verify_in_daemon", steps_module.open_bundle))
     monkeypatch.setattr(ModelStore, "install", recording("install_in_daemon", ModelStore.install))
@@ -443,9 +443,9 @@ def test_the_updates_file_work_and_loading_run_below_the_daemons_priority(
 
     applied = run_foreground(daemon, session=session)
     assert applied["serving"]["version"] == 2
-    # The bundle was opened and its members written by the file worker, not in the daemon:
-    # the daemon's thread only made the staging directory and renamed it into place.
-    assert set(seen) == {"download", "begin_install", "finish_install", "activate"}, seen
+    # The bundle was downloaded, opened and its members written by the file worker, not in
+    # the daemon: the daemon's thread only made the staging directory and renamed it into place.
+    assert set(seen) == {"begin_install", "finish_install", "activate"}, seen
     assert all(nice > base for values in seen.values() for nice in values), (base, seen)
     assert applied["worker"]["nice"] >= base + 10, (base, applied["worker"])
     assert applied["worker"]["pid"] != os.getpid()
@@ -461,9 +461,9 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None
         await asyncio.sleep(0.02)
 
 
-async def _stuck_in_verifying(daemon: Daemon, bundle: Path) -> int:
-    """Stop the file worker (SIGSTOP) and apply ``bundle``: its verifying step's call then
-    waits on a worker that never answers. Returns the stopped worker's pid."""
+async def _stuck_in_downloading(daemon: Daemon, bundle: Path) -> int:
+    """Stop the file worker (SIGSTOP) and apply ``bundle``: its first step's call (the
+    download's) then waits on a worker that never answers. Returns the stopped worker's pid."""
     import os
     import signal
 
@@ -474,9 +474,9 @@ async def _stuck_in_verifying(daemon: Daemon, bundle: Path) -> int:
     assert stuck is not None
     os.kill(stuck, signal.SIGSTOP)
     await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(bundle), "wait": False})
-    await _until(lambda: updater.state.value == "verifying")
+    await _until(lambda: updater.state.value == "downloading")
     await asyncio.sleep(0.3)  # the call is sent; the worker cannot answer it
-    assert updater.state.value == "verifying"
+    assert updater.state.value == "downloading"
     return stuck
 
 
@@ -499,7 +499,7 @@ def test_a_file_worker_killed_in_a_step_fails_the_update_with_its_reason_and_the
     daemon = _daemon(setup, require_traffic=False, duration_s=0.5)
 
     async def session(port: int) -> dict[str, Any]:
-        stuck = await _stuck_in_verifying(daemon, v2)
+        stuck = await _stuck_in_downloading(daemon, v2)
         os.kill(stuck, signal.SIGKILL)  # as the OOM killer would
         failed = await _until_idle(daemon)
         applied = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v3)})
@@ -511,7 +511,7 @@ def test_a_file_worker_killed_in_a_step_fails_the_update_with_its_reason_and_the
     out = run_foreground(daemon, session=session)
     outcome = out["failed"]["last_outcome"]
     assert (outcome["result"], outcome["reason"], outcome["state"]) == (
-        "failed", "worker_died", "verifying"), outcome
+        "failed", "worker_died", "downloading"), outcome
     assert "killed by SIGKILL" in outcome["detail"], outcome
     assert out["applied"]["serving"]["version"] == 3
     assert out["starts"] == 2
@@ -528,10 +528,10 @@ def test_a_step_stuck_in_the_file_worker_ends_at_a_newer_request_or_its_deadline
     v3, _ = make_bundle(setup["dir"], version=3, key=setup["key"])
     daemon = Daemon(setup["config"], canary_policy=CanaryPolicy(
         duration_s=0.5, min_samples=16, watch_min_requests=20, require_traffic=False),
-        update_policy=UpdatePolicy(watch_window_s=1.0, verifying_s=2.0))
+        update_policy=UpdatePolicy(watch_window_s=1.0, downloading_s=2.0))
 
     async def session(port: int) -> dict[str, Any]:
-        stuck = await _stuck_in_verifying(daemon, v2)
+        stuck = await _stuck_in_downloading(daemon, v2)
         started = time.monotonic()
         if ending == "deadline":
             failed = await _until_idle(daemon)
@@ -550,8 +550,8 @@ def test_a_step_stuck_in_the_file_worker_ends_at_a_newer_request_or_its_deadline
     assert out["seconds"] < 15, out["seconds"]
     if ending == "deadline":
         outcome = out["failed"]["last_outcome"]
-        assert (outcome["reason"], outcome["state"]) == ("deadline", "verifying"), outcome
+        assert (outcome["reason"], outcome["state"]) == ("deadline", "downloading"), outcome
     else:
         history = out["status"]["history"]
-        assert any(event["from"] == "verifying" and event["reason"] == "superseded"
+        assert any(event["from"] == "downloading" and event["reason"] == "superseded"
                    for event in history), history

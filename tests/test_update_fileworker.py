@@ -321,3 +321,25 @@ def test_the_store_installs_what_the_worker_wrote_and_refuses_what_it_did_not(
             worker.call("write_members", path=str(bundle), public_keys=[_raw(key)],
                         agent_version=__version__, directory=str(tmp_path),
                         name="tiny", version=3)
+
+
+def test_a_download_in_the_worker_reports_its_progress_and_its_refusals(
+        tmp_path: Path, worker: FileWorker) -> None:
+    from agent.errors import DownloadError
+    from agent.update.download import DownloadPolicy
+
+    bundle, _ = make_bundle(tmp_path, version=2)
+    reports: list[Any] = []
+    result = worker.call("fetch", on_progress=reports.append, source=bundle.as_uri(),
+                         destination=str(tmp_path / "got.bundle"), policy=DownloadPolicy(),
+                         expected_sha256=None)
+    assert result.path == tmp_path / "got.bundle"
+    assert result.path.read_bytes() == bundle.read_bytes()
+    assert reports and reports[-1].received_bytes == bundle.stat().st_size
+    with pytest.raises(DownloadError) as missing:
+        worker.call("fetch", source=(tmp_path / "absent.bundle").as_uri(),
+                    destination=str(tmp_path / "absent-copy.bundle"),
+                    policy=DownloadPolicy(deadline_s=1.0), expected_sha256=None)
+    assert missing.value.reason == "not_found", missing.value
+    assert "absent.bundle" in str(missing.value)
+    assert worker.starts == 1

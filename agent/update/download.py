@@ -62,6 +62,7 @@ __all__ = [
     "discard_partial",
     "display_source",
     "download",
+    "download_blocking",
     "partial_files",
 ]
 
@@ -198,15 +199,7 @@ async def download(source: str, destination: Path, *, policy: DownloadPolicy,
         asyncio.CancelledError: the awaiting task was cancelled; the transfer stops within about
             a second and the part stays for a later call.
     """
-    parsed = _parse_source(source)
-    if expected_sha256 is not None:
-        expected_sha256 = expected_sha256.lower()
-        if not SHA256_HEX.fullmatch(expected_sha256):
-            raise DownloadError("the expected sha256 is not 64 hexadecimal digits",
-                                reason="bad_request", url=parsed.display, found=expected_sha256)
-    if expected_size is not None and (isinstance(expected_size, bool) or expected_size < 0):
-        raise DownloadError("the expected size must be a number of bytes",
-                            reason="bad_request", url=parsed.display, found=expected_size)
+    parsed, expected_sha256 = _check_request(source, expected_sha256, expected_size)
     loop = asyncio.get_running_loop()
     future: asyncio.Future[DownloadResult] = loop.create_future()
     # Whatever the thread ends with is read, even after a cancellation stopped waiting for it.
@@ -236,6 +229,39 @@ async def download(source: str, destination: Path, *, policy: DownloadPolicy,
         transfer.cancel()
         await asyncio.wait([future], timeout=CANCEL_GRACE_S)
         raise
+
+
+def download_blocking(source: str, destination: Path, *, policy: DownloadPolicy,
+                      expected_sha256: str | None = None, expected_size: int | None = None,
+                      on_progress: Callable[[DownloadProgress], None] | None = None
+                      ) -> DownloadResult:
+    """:func:`download` on the calling thread, for the update's file worker process
+    (agent/update/fileworker.py): ``on_progress`` is called on this thread, and the download
+    ends only by itself (its deadline bounds it); the process is killed to stop it sooner,
+    which keeps the part, as a crash would.
+
+    Raises:
+        DownloadError: as :func:`download`.
+    """
+    parsed, expected_sha256 = _check_request(source, expected_sha256, expected_size)
+    transfer = _Transfer(parsed, Path(destination), policy=policy,
+                         expected_sha256=expected_sha256, expected_size=expected_size,
+                         report=on_progress or (lambda progress: None))
+    return transfer.run()
+
+
+def _check_request(source: str, expected_sha256: str | None,
+                   expected_size: int | None) -> tuple[_Source, str | None]:
+    parsed = _parse_source(source)
+    if expected_sha256 is not None:
+        expected_sha256 = expected_sha256.lower()
+        if not SHA256_HEX.fullmatch(expected_sha256):
+            raise DownloadError("the expected sha256 is not 64 hexadecimal digits",
+                                reason="bad_request", url=parsed.display, found=expected_sha256)
+    if expected_size is not None and (isinstance(expected_size, bool) or expected_size < 0):
+        raise DownloadError("the expected size must be a number of bytes",
+                            reason="bad_request", url=parsed.display, found=expected_size)
+    return parsed, expected_sha256
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:

@@ -33,6 +33,7 @@ it was writing.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import pickle
@@ -118,6 +119,21 @@ def write_members(path: str, public_keys: Sequence[bytes], agent_version: str, d
 HEAVY_MODULES = ("torch", "tensorrt", "onnxruntime", "numpy", "pycuda")
 
 
+def fetch(source: str, destination: str, policy: Any, expected_sha256: str | None,
+          progress: Callable[[Any], None]) -> Any:
+    """The downloading state's work: ``source`` to ``destination``, resumable (agent/update/
+    download.py, ``policy`` a DownloadPolicy), each progress report sent back as it comes.
+    Returns the DownloadResult.
+
+    Raises:
+        DownloadError: as ``download``.
+    """
+    from agent.update.download import download_blocking
+
+    return download_blocking(source, Path(destination), policy=policy,
+                             expected_sha256=expected_sha256, on_progress=progress)
+
+
 def _ping() -> dict[str, Any]:
     """The worker's pid, nice value, resident memory and the heavy modules it holds (none)."""
     return {"pid": os.getpid(), "nice": os.getpriority(os.PRIO_PROCESS, 0),
@@ -126,6 +142,7 @@ def _ping() -> dict[str, Any]:
 
 
 TASKS: dict[str, Callable[..., Any]] = {
+    "fetch": fetch,
     "open_checked": open_checked,
     "write_members": write_members,
     "ping": _ping,
@@ -226,8 +243,10 @@ class FileWorker:
         with self._call_lock:
             self._ensure_started()
 
-    def call(self, task: str, **kwargs: Any) -> Any:
-        """Run ``TASKS[task](**kwargs)`` in the worker and return its result.
+    def call(self, task: str, *, on_progress: Callable[[Any], None] | None = None,
+             **kwargs: Any) -> Any:
+        """Run ``TASKS[task](**kwargs)`` in the worker and return its result; a task that
+        reports progress (``fetch``) has each report handed to ``on_progress`` on this thread.
 
         Raises:
             AgentError: what the task raised, as it raised it (its reason and facts).
@@ -244,6 +263,10 @@ class FileWorker:
             try:
                 _send(process.stdin, (task, kwargs))
                 kind, value = _receive(process.stdout)
+                while kind == "progress":
+                    if on_progress is not None:
+                        on_progress(value)
+                    kind, value = _receive(process.stdout)
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
                 status = self._reap(process)
                 raise UpdateError("the update's file worker ended during its work",
@@ -366,9 +389,13 @@ def _watch_parent(parent: int) -> None:
             os._exit(1)  # the daemon died mid-call: nothing here is worth finishing
 
 
-def _answer(task: str, kwargs: dict[str, Any]) -> tuple[str, Any]:
+def _answer(task: str, kwargs: dict[str, Any],
+            progress: Callable[[Any], None]) -> tuple[str, Any]:
+    function = TASKS[task]
+    if "progress" in inspect.signature(function).parameters:
+        kwargs = {**kwargs, "progress": progress}
     try:
-        return "ok", TASKS[task](**kwargs)
+        return "ok", function(**kwargs)
     except AgentError as exc:
         return "error", exc
     except Exception as exc:  # noqa: BLE001 - a bug of ours: its type and message go back
@@ -386,6 +413,8 @@ def serve(parent: int, nice: int) -> int:
     except OSError as exc:
         print(f"update file worker: could not lower its priority: {exc}", file=sys.stderr)
     threading.Thread(target=_watch_parent, args=(parent,), name="watchdog", daemon=True).start()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="update file worker: %(levelname)s %(name)s: %(message)s")
     # Imported once here, not at the first call: the first update then pays nothing.
     import models.bundle  # noqa: F401
 
@@ -395,7 +424,7 @@ def serve(parent: int, nice: int) -> int:
             task, kwargs = _receive(requests)
         except EOFError:
             return 0
-        kind, value = _answer(task, kwargs)
+        kind, value = _answer(task, kwargs, lambda report: _send(answers, ("progress", report)))
         try:
             _send(answers, (kind, value))
         except (pickle.PicklingError, TypeError, AttributeError) as exc:

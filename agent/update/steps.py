@@ -51,7 +51,13 @@ from agent.backends.base import Backend
 from agent.batcher import BatchPolicy
 from agent.errors import AgentError, BundleError, SignatureError, StoreError, UpdateError
 from agent.update.canary import CanaryPolicy, HealthWatch, ShadowCanary
-from agent.update.download import DownloadPolicy, discard_partial, download
+from agent.update.download import (
+    DownloadPolicy,
+    DownloadProgress,
+    DownloadResult,
+    discard_partial,
+    download,
+)
 from agent.update.fileworker import FileWorker
 from agent.update.journal import BundleId
 from agent.update.priority import LOAD_NICE_INCREMENT, LowPriority
@@ -148,7 +154,26 @@ class DaemonSteps:
 
     async def download(self, job: UpdateJob) -> None:
         self.downloads_dir.mkdir(parents=True, exist_ok=True)
-        await fetch_bundle(job, self._destination(job.source), self.download_policy)
+        destination = self._destination(job.source)
+
+        def work() -> DownloadResult | None:
+            try:
+                return self.file_worker.call(  # type: ignore[no-any-return]
+                    "fetch", on_progress=_download_progress(job), source=job.source,
+                    destination=str(destination), policy=self.download_policy,
+                    expected_sha256=job.expected.sha256)
+            except UpdateError as exc:
+                if exc.reason != "worker_unavailable":
+                    raise
+                self._warn_in_process(exc)
+                return None
+
+        result = await self._killable(work)
+        if result is None:
+            await fetch_bundle(job, destination, self.download_policy)
+            return
+        job.notes["bundle_path"] = result.path
+        job.notes["sha256"] = result.sha256
 
     async def verify(self, job: UpdateJob) -> BundleId:
         path = downloaded_bundle(job, self._destination(job.source))
@@ -521,14 +546,19 @@ def _require_bundle_ref(job: UpdateJob) -> tuple[str, int]:
 async def fetch_bundle(job: UpdateJob, destination: Path, policy: DownloadPolicy) -> None:
     """The downloading state's work: ``job.source`` to ``destination`` (resumed when a part is
     there), with progress on the job; the file and its sha256 go into ``job.notes``."""
-    def progress(update: Any) -> None:
+    result = await download(job.source, destination, policy=policy,
+                            expected_sha256=job.expected.sha256,
+                            on_progress=_download_progress(job))
+    job.notes["bundle_path"] = result.path
+    job.notes["sha256"] = result.sha256
+
+
+def _download_progress(job: UpdateJob) -> Callable[[DownloadProgress], None]:
+    def progress(update: DownloadProgress) -> None:
         job.progress(received_bytes=update.received_bytes, total_bytes=update.total_bytes,
                      bytes_per_s=round(update.bytes_per_s))
 
-    result = await download(job.source, destination, policy=policy,
-                            expected_sha256=job.expected.sha256, on_progress=progress)
-    job.notes["bundle_path"] = result.path
-    job.notes["sha256"] = result.sha256
+    return progress
 
 
 def downloaded_bundle(job: UpdateJob, destination: Path) -> Path:
