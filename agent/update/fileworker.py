@@ -1,9 +1,9 @@
-"""The update's file work in a process of its own: the bundle's checks and the writing of its
-members, off the daemon's interpreter.
+"""The update's file work in a process of its own: the download, the bundle's checks and the
+writing of its members, off the daemon's interpreter.
 
 Why a process: the daemon's threads share one GIL. Opening a bundle (the tar headers parsed in
 Python, the manifest's JSON and validation, the glue around every hash) holds it for about a
-millisecond, an install for several, and a thread's nice value does nothing against the GIL:
+millisecond, an install for several, a download's transfer loop for more than one, and a thread's nice value does nothing against the GIL:
 every request the event loop and the batcher handle meanwhile waits. In a process of its own,
 at a lower CPU priority, that work only takes CPU the serving path leaves.
 
@@ -354,6 +354,11 @@ class FileWorker:
             raise UpdateError("the update's file worker is stopped (the daemon stops)",
                               reason="worker_unavailable")
         self.starts += 1
+        # Reaped the moment it ends, whenever that is: one killed between updates (the OOM
+        # killer, an operator) is otherwise a zombie of the daemon until the next call. Popen's
+        # own lock keeps this wait safe beside those of _reap and close; poll() then tells.
+        threading.Thread(target=process.wait, name=f"update-file-worker-{process.pid}",
+                         daemon=True).start()
         rss = _rss_kib(process.pid)
         log.info("update file worker pid %d started in %.2f s (nice %s, RSS %s MiB)",
                  process.pid, time.perf_counter() - started, hello.get("nice"),

@@ -2,8 +2,12 @@
 
 Loading a new version (ONNX Runtime session creation, a TensorRT engine build: minutes on a
 board) and its warm-up happen on a thread whose nice value is :data:`LOAD_NICE_INCREMENT` above
-the daemon's (:class:`LowPriority`); so do the download, the bundle's checks and its installation
-into the store (:func:`lower_this_thread`, agent/update/steps.py). On Linux the nice value belongs to the thread, and
+the daemon's (:class:`LowPriority`); so does the ``update-files`` thread that calls the file
+worker process (agent/update/fileworker.py), which runs the download, the bundle's checks and
+the writing of its members at the same increment, in a process of its own. (A thread's nice
+value does nothing against the GIL: work that holds it at a low priority can even be preempted
+while holding it, keeping the serving threads waiting; hence the process for the file work.
+Session creation still holds the daemon's GIL.) On Linux the nice value belongs to the thread, and
 threads inherit it from the thread that creates them: ONNX Runtime's intra-op pool, made when a
 session is created on that thread, runs at the same low priority.
 

@@ -5,12 +5,15 @@ updater.py drives them, journals them and bounds each by its deadline).
 state              work
 =================  ==============================================================================
 downloading        the source (a path, ``file://``, ``http(s)://``) into ``<state_dir>/downloads``,
-                   resumable (agent/update/download.py)
+                   resumable (agent/update/download.py), in the file worker process
 verifying          the bundle's signature, every hash and the agent version it needs
-                   (``open_bundle``); then that it is the model this daemon serves, with the same
-                   inputs and outputs, and newer than the version serving (anti-rollback)
-staged             installed into the store beside the current version, not current; the
-                   downloaded file is then removed
+                   (``open_bundle``, in the file worker); then, in the daemon, that it is the
+                   model this daemon serves, with the same inputs and outputs, and newer than the
+                   version serving (anti-rollback)
+staged             installed into the store beside the current version, not current: the store
+                   makes a staging directory, the file worker verifies the bundle again and
+                   writes its members there, the store checks them and renames it into place
+                   under its lock; the downloaded file is then removed
 building-engine    the new version's instances created and activated (a TensorRT engine is built
                    here, or found in the cache) on a thread of lower CPU priority
 warming            warm-up batches on that thread; a NaN or Inf on them fails the update
@@ -21,11 +24,22 @@ rolling-back       after a commit, the version before it is loaded again, swappe
                    current; before, the candidate's instances are freed
 =================  ==============================================================================
 
-Nothing here blocks the event loop, and nothing here takes the serving instances' CPU: the
-download runs on a thread of its own, the bundle checks and the store's file work on one
-``update-files`` thread, the candidate's loading and warm-up on its own thread, all three at low
-priority (agent/update/priority.py); the journal and the freeing of instances use the loop's
-default executor.
+Nothing here blocks the event loop, and nothing here takes the serving instances' CPU or, for
+the file work, the daemon's GIL: the download, the bundle checks and the writing of its members
+run in the file worker process (agent/update/fileworker.py: one process at nice +10, started
+with the updater and reused), called from one ``update-files`` thread, which also does the
+store's own part (the staging directory, the final checks and rename) and the removals; the
+candidate's loading and warm-up run on a thread of its own at low priority (agent/update/
+priority.py); the journal and the freeing of instances use the loop's default executor.
+
+A step in the worker that is cancelled (a newer request) or runs past its state's deadline kills
+the worker, so it ends at once; a worker that dies fails its step with reason ``worker_died``; the
+next call starts a new one. Where no worker process can be started (reason
+``worker_unavailable``: a sandbox, no memory), the same work runs on the ``update-files`` thread
+as before, with a warning: updates keep working, at the cost of the daemon's GIL. Measured on
+the development VM (docs/benchmarks.md, 2026-12-03): the daemon's own CPU for an update's file
+work went from about 8 ms to 1.3 ms (``7c422b8``, ``17fb88f``); the worker holds 29-34 MiB;
+``bench swap``'s ratio did not measurably change within that session's noise.
 """
 
 from __future__ import annotations
