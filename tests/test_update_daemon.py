@@ -450,6 +450,9 @@ def test_the_updates_file_work_and_loading_run_below_the_daemons_priority(
     assert applied["worker"]["nice"] >= base + 10, (base, applied["worker"])
     assert applied["worker"]["pid"] != os.getpid()
     assert applied["worker_starts"] == 1
+    assert applied["worker"]["heavy_modules"] == []
+    # The daemon stopped: so did its worker (no orphan, and the stop did not wait on it).
+    assert _gone(applied["worker"]["pid"])
 
 
 # -- the file worker process (agent/update/fileworker.py) -------------------------------------

@@ -222,6 +222,7 @@ class FileWorker:
         self._state_lock = threading.Lock()  # _process and _closed
         self._process: subprocess.Popen[bytes] | None = None
         self._closed = False
+        self._killed: int | None = None  # the pid kill() ended: its end is no news
         self.starts = 0  # processes started, for the tests and the log
 
     @property
@@ -281,6 +282,7 @@ class FileWorker:
         call starts a new one."""
         process = self._process
         if process is not None and process.poll() is None:
+            self._killed = process.pid
             process.kill()
 
     def close(self) -> None:
@@ -355,10 +357,9 @@ class FileWorker:
                               reason="worker_unavailable")
         self.starts += 1
         # Reaped the moment it ends, whenever that is: one killed between updates (the OOM
-        # killer, an operator) is otherwise a zombie of the daemon until the next call. Popen's
-        # own lock keeps this wait safe beside those of _reap and close; poll() then tells.
-        threading.Thread(target=process.wait, name=f"update-file-worker-{process.pid}",
-                         daemon=True).start()
+        # killer, an operator) is otherwise a zombie of the daemon until the next call.
+        threading.Thread(target=_reap_when_it_ends, args=(process,),
+                         name=f"update-file-worker-{process.pid}", daemon=True).start()
         rss = _rss_kib(process.pid)
         log.info("update file worker pid %d started in %.2f s (nice %s, RSS %s MiB)",
                  process.pid, time.perf_counter() - started, hello.get("nice"),
@@ -380,8 +381,21 @@ class FileWorker:
         if self._process is process:
             self._process = None
         status = _describe_status(process.returncode)
-        log.warning("update file worker pid %d ended (%s)", process.pid, status)
+        log.log(logging.INFO if process.pid == self._killed else logging.WARNING,
+                "update file worker pid %d ended (%s)", process.pid, status)
         return status
+
+
+def _reap_when_it_ends(process: subprocess.Popen[bytes]) -> None:
+    """Wait (a thread of its own) until ``process`` has ended, then reap it with ``poll``.
+    The wait leaves it unreaped (WNOWAIT) and holds none of Popen's locks: Popen.wait() here
+    would hold its lock throughout, and a poll() elsewhere would then take a dead worker for a
+    live one until this thread ran again."""
+    try:
+        os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        return  # reaped already (FileWorker._reap, close)
+    process.poll()
 
 
 # -- the worker's side ------------------------------------------------------------------------
