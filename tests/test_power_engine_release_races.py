@@ -237,3 +237,53 @@ def test_a_daemon_stopped_while_its_engines_are_released_does_not_restore_them(
     assert activations() == seen["activations"]
     assert batcher.engine_restores == 2
     assert not any(backend.active for backend in batcher.backends)
+
+
+def test_a_restore_that_fails_answers_503_naming_the_cause_and_the_next_request_recovers(
+        installed: dict[str, Any]) -> None:  # noqa: F811
+    """The model file is gone when the first request after a sleep restores the engine: the
+    client is told the server cannot serve now (503, so it retries), not that its request was
+    bad (a ModelError is an InputError: 400), with the file named; once the file is back the
+    next request restores the engine and is answered."""
+    import urllib.error
+    import urllib.request
+
+    from agent.tooling.loadgen import encode_request
+
+    config = installed["config"]
+    config = dataclasses.replace(config, power=dataclasses.replace(
+        config.power, release_engine_in_sleep=True))
+    daemon = Daemon(config)
+    answers: list[tuple[int, str]] = []
+
+    def post(port: int) -> tuple[int, str]:
+        body, header_length = encode_request("input", images(), datatype="FP32")
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v2/models/tiny/infer", data=body,
+            headers={"Inference-Header-Content-Length": str(header_length),
+                     "Content-Type": "application/octet-stream"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, ""
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    async def session(port: int) -> None:
+        loop = asyncio.get_running_loop()
+        await until(lambda: daemon.power is not None and daemon.power.status()["running"])
+        batcher = daemon.services["tiny"].batcher
+        model = batcher.backends[0].artifacts.onnx_path
+        await until(lambda: batcher.engine_state is EngineState.RELEASED)
+        model.rename(model.with_name("aside"))
+        answers.append(await loop.run_in_executor(None, post, port))
+        # The wake that came with the request may try the restore again: its failure ends it.
+        await until(lambda: batcher.engine_state is EngineState.RELEASED)
+        model.with_name("aside").rename(model)
+        answers.append(await loop.run_in_executor(None, post, port))
+
+    run_foreground(daemon, session=session)
+    (failed, failure), recovered = answers
+    assert failed == 503, failure
+    assert "could not be restored" in failure and "model file missing" in failure
+    assert "tiny/1/model.onnx" in failure
+    assert recovered == (200, "")

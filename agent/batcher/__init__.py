@@ -23,7 +23,8 @@ When a batch goes (Triton's rules, see docs/reference/serving.md §1):
 * The power governor's sleep may release the instances' engines (``release_engine_in_sleep``,
   :class:`~agent.batcher.batcher.EngineState`): nothing is dispatched until they are re-created,
   which the wake or the first request that comes starts; a request that comes meanwhile waits
-  (its deadline still counts), and one whose restore fails gets that error.
+  (its deadline still counts), and one whose restore fails gets :class:`EngineUnavailable`
+  (HTTP 503) with the cause.
 
 What happens is reported to one observer (agent/observers.py: the model's metrics, statistics
 and whatever else subscribed); a snapshot of the load comes from :meth:`Batcher.load`.
@@ -37,6 +38,7 @@ from agent.batcher.policy import (
     MAX_TIMEOUT_US,
     BatchPolicy,
     DeadlineExceeded,
+    EngineUnavailable,
     InferenceResult,
     LoadSnapshot,
     NotServing,
@@ -48,6 +50,7 @@ __all__ = [
     "BatchPolicy",
     "Batcher",
     "DeadlineExceeded",
+    "EngineUnavailable",
     "InferenceResult",
     "LoadSnapshot",
     "NotServing",

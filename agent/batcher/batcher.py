@@ -23,6 +23,7 @@ from agent.batcher.policy import (
     MAX_TIMEOUT_US,
     BatchPolicy,
     DeadlineExceeded,
+    EngineUnavailable,
     InferenceResult,
     LoadSnapshot,
     NotServing,
@@ -397,8 +398,12 @@ class Batcher:
         except Exception as exc:  # the waiting requests get the error
             self._engine = EngineState.RELEASED  # the next request tries again
             log.error("restoring the engines failed: %s", exc, exc_info=exc)
-            self._fail_queued(exc if isinstance(exc, AgentError) else AgentError(
-                f"the engine could not be restored after sleep: {type(exc).__name__}: {exc}"))
+            # Not the cause itself: a ModelError is an InputError, which the API answers with
+            # 400, as if the request were bad.
+            cause = exc.message if isinstance(exc, AgentError) else f"{type(exc).__name__}: {exc}"
+            self._fail_queued(EngineUnavailable(
+                f"the engine could not be restored after sleep: {cause}",
+                **(exc.fields if isinstance(exc, AgentError) else {})))
         else:
             if not self._closed:
                 self._engine = EngineState.ACTIVE

@@ -22,6 +22,12 @@ class NotServing(AgentError):
     """The batcher is stopped or stopping (HTTP 503)."""
 
 
+class EngineUnavailable(NotServing):
+    """The engines a sleep released could not be re-created for the request (HTTP 503, as the
+    server's failure and not the request's: the next request tries the restore again). Carries
+    the cause's message and facts (which model file, which engine)."""
+
+
 # Triton's request timeout is an unsigned 64-bit count of microseconds.
 MAX_TIMEOUT_US = 2**64 - 1
 
