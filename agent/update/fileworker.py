@@ -222,7 +222,6 @@ class FileWorker:
         self._state_lock = threading.Lock()  # _process and _closed
         self._process: subprocess.Popen[bytes] | None = None
         self._closed = False
-        self._killed: int | None = None  # the pid kill() ended: its end is no news
         self.starts = 0  # processes started, for the tests and the log
 
     @property
@@ -282,7 +281,6 @@ class FileWorker:
         call starts a new one."""
         process = self._process
         if process is not None and process.poll() is None:
-            self._killed = process.pid
             process.kill()
 
     def close(self) -> None:
@@ -381,8 +379,7 @@ class FileWorker:
         if self._process is process:
             self._process = None
         status = _describe_status(process.returncode)
-        log.log(logging.INFO if process.pid == self._killed else logging.WARNING,
-                "update file worker pid %d ended (%s)", process.pid, status)
+        log.warning("update file worker pid %d ended (%s)", process.pid, status)
         return status
 
 

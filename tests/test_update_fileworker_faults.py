@@ -1,0 +1,49 @@
+"""Faults around the update's file worker process (agent/update/fileworker.py) as a board meets
+them: a worker that dies between updates (the OOM killer, an operator's kill) is not left a
+zombie until the next update; an exception of any type raised in the worker, or an answer that
+cannot cross back, fails the call with a clear reason and leaves the worker usable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.update.fileworker import FileWorker
+
+
+@pytest.fixture
+def worker() -> Iterator[FileWorker]:
+    worker = FileWorker(nice=os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (Z: a zombie), None once it is reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_a_worker_that_dies_between_updates_is_reaped_at_once(worker: FileWorker) -> None:
+    """Killed while idle (no call in flight, perhaps for days before the next update), the
+    worker must not stay a defunct child of the daemon."""
+    worker.start()
+    pid = worker.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _state(pid) is not None:
+        assert time.monotonic() < deadline, f"the dead worker {pid} is left {_state(pid)}"
+        time.sleep(0.05)
+    assert worker.pid is None
+    answer = worker.call("ping")  # the next call starts a new one
+    assert answer["pid"] != pid and worker.starts == 2
