@@ -104,6 +104,7 @@ class Container:
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
         self.leader = 0
+        self.bundle_key: Path | None = None  # the key the booted model's bundles are signed with
 
     def boot(self) -> None:
         log = self.log_path.open("ab")
@@ -251,6 +252,7 @@ def booted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
         "[Service]\nExecStartPost=-/opt/edge-agent/venv/bin/python "
         "/etc/edge-agent/test/sandbox_probe.py\n")
     container = Container(root, "edge-agent-test", work / "nspawn.log")
+    container.bundle_key = work / "bundle"
     container.boot()
     try:
         container.wait_active("edge-agent.service")
@@ -509,6 +511,92 @@ def test_reload_applies_a_changed_setting(booted: Container) -> None:
     finally:
         config.write_text(original)
         booted.exec("systemctl", "reload", "edge-agent.service", timeout=60)
+
+
+def _process_status(container: Container, pid: str) -> dict[str, str]:
+    return dict(line.split(":\t", 1) for line in
+                container.exec("cat", f"/proc/{pid}/status").stdout.splitlines() if ":\t" in line)
+
+
+FILE_WORKERS = textwrap.dedent("""
+    import os, sys
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parent = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]
+            command = open(f"/proc/{pid}/cmdline", "rb").read()
+        except (OSError, IndexError):
+            continue
+        if parent == sys.argv[1] and b"agent.update.fileworker" in command:
+            print(pid)
+""")
+
+
+def _file_workers(container: Container, parent: str) -> list[str]:
+    """The update file workers (agent/update/fileworker.py) whose parent is ``parent``."""
+    return container.exec("/opt/edge-agent/venv/bin/python", "-c", FILE_WORKERS,
+                          parent).stdout.split()
+
+
+def test_an_update_runs_its_file_work_in_the_worker_under_the_unit(booted: Container,
+                                                                    tmp_path: Path) -> None:
+    """The unit's sandbox (ProtectSystem=strict, NoNewPrivileges=, the system call filter, the
+    private /tmp) lets the daemon start its update file worker: it runs beside the daemon, as
+    its user, below its priority, under the same filter, and a second version applied with
+    ``edge-agent update apply`` is verified and staged by it (never by the daemon's fallback)
+    and serves."""
+    from tests.tiny_models import make_bundle
+
+    assert booted.bundle_key is not None
+    bundle, _ = make_bundle(tmp_path, version=2, key=_private_key(booted.bundle_key))
+    inside = booted.root / "srv/edge-agent-test"
+    inside.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(bundle, inside / "tiny-2.bundle")
+    (inside / "tiny-2.bundle").chmod(0o644)
+    booted.exec("systemctl", "restart", "edge-agent.service", timeout=READY_TIMEOUT_S)
+    main = booted.show("edge-agent.service", "MainPID")["MainPID"]
+    deadline = time.monotonic() + 60
+    while not (workers := _file_workers(booted, main)):  # started with the updater
+        assert time.monotonic() < deadline, booted.journal(lines=200)
+        time.sleep(0.2)
+    assert len(workers) == 1, workers
+    daemon, worker = _process_status(booted, main), _process_status(booted, workers[0])
+    assert worker["Uid"] == daemon["Uid"] and worker["NoNewPrivs"].strip() == "1"
+    assert worker["Seccomp"].strip() == "2" and int(worker["CapEff"], 16) == 0
+    nice = int(booted.exec("cut", "-d", " ", "-f19", f"/proc/{workers[0]}/stat").stdout)
+    assert nice >= 10, nice
+    cgroup = booted.exec("cat", f"/proc/{workers[0]}/cgroup").stdout
+    assert cgroup == booted.exec("cat", f"/proc/{main}/cgroup").stdout, cgroup
+    applied = booted.exec("setpriv", "--reuid=edge-agent", "--regid=edge-agent",
+                          "--init-groups", "/opt/edge-agent/venv/bin/edge-agent", "update",
+                          "apply", "/srv/edge-agent-test/tiny-2.bundle", "--no-wait", "--json")
+    assert applied.returncode == 0, applied.stderr
+    deadline = time.monotonic() + 180  # the canary: canary_s of the configuration (30 s)
+    status: dict[str, object] = {}
+    while time.monotonic() < deadline:
+        status = json.loads(booted.exec("/opt/edge-agent/venv/bin/edge-agent", "update",
+                                        "status", "--json").stdout)
+        serving = status.get("serving") or {}
+        if isinstance(serving, dict) and serving.get("version") == 2:
+            break
+        assert status.get("state") != "failed", status
+        time.sleep(1)
+    else:
+        raise AssertionError(f"v2 never served: {status}\n{booted.journal(lines=200)}")
+    journal = booted.journal(lines=400)
+    assert "the update's file work runs in the daemon" not in journal, journal
+    assert f"update file worker pid {workers[0]} started" in journal, journal
+    assert f"update file worker pid {workers[0]} ended" not in journal, journal
+    assert _file_workers(booted, main) == workers  # the same worker, alive, for the next one
+    assert booted.exec("test", "-f", "/var/lib/edge-agent/models/tiny/2/model.onnx").returncode \
+        == 0
+    leftovers = booted.exec("sh", "-c", "ls -a /var/lib/edge-agent/models/tiny "
+                            "/var/lib/edge-agent/downloads 2>/dev/null").stdout
+    assert ".extract-" not in leftovers and ".bundle" not in leftovers, leftovers
+    booted.exec("systemctl", "stop", "edge-agent.service", timeout=120)
+    try:
+        assert booted.exec("test", "-d", f"/proc/{workers[0]}", check=False).returncode != 0
+    finally:
+        booted.exec("systemctl", "start", "edge-agent.service", timeout=READY_TIMEOUT_S)
 
 
 def serving_model(container: Container, work: Path) -> None:
