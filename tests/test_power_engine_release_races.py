@@ -287,3 +287,40 @@ def test_a_restore_that_fails_answers_503_naming_the_cause_and_the_next_request_
     assert "could not be restored" in failure and "model file missing" in failure
     assert "tiny/1/model.onnx" in failure
     assert recovered == (200, "")
+
+
+def test_a_request_whose_wake_comes_as_the_governor_stops_is_served_without_an_error_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """SIGTERM while a request waits for the wake (the board asleep, its engine released): the
+    governor's thread refuses the call as it stops, and the request is served without the
+    boost. That is the shutdown doing its work, not a failed wake: no ERROR and traceback in
+    the daemon's log for each such request."""
+    from agent.config import load_config
+    from agent.power.service import PowerService
+
+    backend = GatedActivate(artifacts_for(tiny_classifier(tmp_path / "m" / "model.onnx")),
+                            OPTIONS)
+    backend.activate()
+    batcher = Batcher([backend], BatchPolicy(max_batch_size=8, max_queue_delay_us=0))
+    config = load_config(None, env={}, overrides={"state_dir": tmp_path / "state",
+                                                  "power.enabled": True})
+    service = PowerService(config.power, config.state_dir, batchers=lambda: [batcher])
+
+    async def main() -> None:
+        batcher.start()
+        await released(batcher)
+        # As PowerService._attach_serving sets it; then the governor stops (its run ended).
+        batcher.set_wake_hook(service._wake_for_request, timeout_s=5.0)
+        batcher.arm_wake()
+        service._stopping.set()
+        answer = await asyncio.wait_for(batcher.submit({"input": images()}), 10)
+        assert answer.version == 1 and batcher.wakes == 1
+        await batcher.stop()
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(main())
+    backend.deactivate()
+    assert [record.getMessage() for record in caplog.records
+            if record.levelno >= logging.ERROR] == []
+    assert any("stopped" in record.getMessage() for record in caplog.records
+               if record.name == "agent.power.service")

@@ -537,7 +537,15 @@ class PowerService:
                              timeout_s=CALL_TIMEOUT_S) from None
 
     async def _wake_for_request(self) -> None:
-        await self.wake("request")
+        try:
+            await self.wake("request")
+        except PowerError as exc:
+            if not self._stopping.is_set():
+                raise
+            # The governor stopped while the request waited for it (the daemon's shutdown):
+            # the board is back on its own limits and the request is served without the boost.
+            log.info("a request's wake was not needed: the power governor stopped (%s)",
+                     exc.message)
 
     async def wake(self, trigger: str) -> float:
         """Have the controller wake the board (boost before the next request runs); returns
