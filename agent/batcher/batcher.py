@@ -67,6 +67,9 @@ class Tapped:
     requests: list[tuple[Mapping[str, np.ndarray | DeferredArray], dict[str, np.ndarray]]]
     compute_s: float
     samples: int
+    # CPU seconds the version's run threads have spent releasing and restoring its engines so
+    # far (Batcher.engine_cpu_s): not its serving cost, which the canary reads off those threads
+    engine_cpu_s: float = 0.0
 
 
 @dataclass
@@ -322,6 +325,12 @@ class Batcher:
     def engine_state(self) -> EngineState:
         return self._engine
 
+    def engine_cpu_s(self, version: int) -> float:
+        """CPU seconds the run threads of ``version``'s instances spent releasing and restoring
+        their engines: time on the threads :meth:`thread_ids` names that served nothing."""
+        return sum(instance.engine_cpu_s for instance in self._instances
+                   if instance.version == version)
+
     def release_engine(self) -> None:
         """Free every instance's engine (``Backend.deactivate``) once its batches in flight are
         done; nothing is dispatched until :meth:`restore_engine` (or the next request) brings
@@ -357,7 +366,8 @@ class Batcher:
             # frees them and their threads are shut down); a swap's new ones are released too.
             while (instance := await self._next_instance(active=True)) is not None:
                 # On the instance's run thread: where its engine runs (a CUDA context's thread).
-                await loop.run_in_executor(instance.run_pool, instance.backend.deactivate)
+                await loop.run_in_executor(instance.run_pool, _engine_call, instance,
+                                           instance.backend.deactivate)
                 released += 1
         except Exception as exc:  # a failed release leaves the engines as they are
             log.error("releasing the engines failed: %s", exc, exc_info=exc)
@@ -394,7 +404,8 @@ class Batcher:
             # Over the instances serving as it goes (see _release): one that left meanwhile is
             # its owner's to free, and its stopped threads are never asked to activate it.
             while (instance := await self._next_instance(active=False)) is not None:
-                await loop.run_in_executor(instance.run_pool, instance.backend.activate)
+                await loop.run_in_executor(instance.run_pool, _engine_call, instance,
+                                           instance.backend.activate)
         except Exception as exc:  # the waiting requests get the error
             self._engine = EngineState.RELEASED  # the next request tries again
             log.error("restoring the engines failed: %s", exc, exc_info=exc)
@@ -750,7 +761,8 @@ class Batcher:
             answered = [(request.inputs, result) for index, (request, result)
                         in enumerate(zip(batch, ran.outputs)) if index not in failed]
             try:
-                self._tap(Tapped(instance.version, answered, ran.compute_s, samples))
+                self._tap(Tapped(instance.version, answered, ran.compute_s, samples,
+                                 self.engine_cpu_s(instance.version)))
             except Exception:  # noqa: BLE001 - a faulty tap must not fail answered requests
                 log.exception("the batch tap failed")
 
@@ -784,6 +796,16 @@ class Batcher:
 
 
 _instance_numbers = itertools.count()
+
+
+def _engine_call(instance: Instance, call: Callable[[], None]) -> None:
+    """A release's or a restore's ``call`` on ``instance``'s run thread, with the CPU time it
+    took kept apart (``Instance.engine_cpu_s``)."""
+    started = time.thread_time()
+    try:
+        call()
+    finally:
+        instance.engine_cpu_s += time.thread_time() - started
 
 
 def _shut_down(instances: Sequence[Instance]) -> None:

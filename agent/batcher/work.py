@@ -49,6 +49,8 @@ class Instance:
     running: int = 0  # batches past staging: running, or next to run
     retired: bool = False
     thread_ids: set[int] = field(default_factory=set)  # of its two worker threads, once started
+    # CPU seconds its run thread spent releasing and restoring the engine (sleep), not serving
+    engine_cpu_s: float = 0.0
 
 
 def stage(backend: Backend, batch: list[Request]

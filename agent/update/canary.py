@@ -254,6 +254,7 @@ class ShadowCanary:
                                                initializer=self._remember_thread)
         self._cpu_start: tuple[float, float] | None = None
         self._cpu_end: tuple[float, float] | None = None
+        self._old_engine_cpu_s = 0.0  # the old version's engine restores so far (Tapped)
 
     def _remember_thread(self) -> None:
         self._new_threads.add(threading.get_native_id())
@@ -262,6 +263,8 @@ class ShadowCanary:
         """The batcher's tap (on the loop): queue the batch, or skip it when the shadow lags."""
         if tapped.version != self.old_version:
             return
+        # A sleep's engine restores run on the old version's threads: not its serving cost.
+        self._old_engine_cpu_s = tapped.engine_cpu_s
         if self._cpu_start is None:
             self._cpu_start = self._cpu_now()
             return  # counting starts with the next batch
@@ -322,8 +325,8 @@ class ShadowCanary:
         new_s = sum(thread_cpu_s(tid) for tid in self._new_threads)
         old = self._old_threads() if self._old_threads is not None else set()
         if old:
-            return sum(thread_cpu_s(tid) for tid in old), new_s
-        return time.process_time() - new_s, new_s
+            return sum(thread_cpu_s(tid) for tid in old) - self._old_engine_cpu_s, new_s
+        return time.process_time() - new_s - self._old_engine_cpu_s, new_s
 
     def cost(self) -> tuple[float, float] | None:
         """CPU seconds a sample costs (old version, new version), None until both were seen.
