@@ -47,3 +47,15 @@ def test_a_worker_that_dies_between_updates_is_reaped_at_once(worker: FileWorker
     assert worker.pid is None
     answer = worker.call("ping")  # the next call starts a new one
     assert answer["pid"] != pid and worker.starts == 2
+
+
+def test_a_call_right_after_kill_gets_a_new_worker_not_the_dying_one(worker: FileWorker) -> None:
+    """kill() returns before the process is gone (SIGKILL is delivered asynchronously); the
+    next call (a newer update's download, right after the older one was cancelled) must not be
+    sent to the dying worker and fail ``worker_died``."""
+    for _ in range(5):
+        worker.start()
+        killed = worker.pid
+        worker.kill()
+        answer = worker.call("ping")
+        assert answer["pid"] != killed

@@ -282,6 +282,17 @@ class FileWorker:
         process = self._process
         if process is not None and process.poll() is None:
             process.kill()
+            if self._call_lock.acquire(blocking=False):
+                # No call in flight (one in flight reaps it itself): SIGKILL lands
+                # asynchronously, and the next call must start a new worker, not write to
+                # this dying one; its reaping thread collects it.
+                try:
+                    with self._state_lock:
+                        if self._process is process:
+                            self._process = None
+                    _close_pipes(process)
+                finally:
+                    self._call_lock.release()
 
     def close(self) -> None:
         """Stop the worker (its requests' pipe closed, killed after :data:`STOP_TIMEOUT_S`),
@@ -370,17 +381,21 @@ class FileWorker:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        for stream in (process.stdin, process.stdout):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
+        _close_pipes(process)
         if self._process is process:
             self._process = None
         status = _describe_status(process.returncode)
         log.warning("update file worker pid %d ended (%s)", process.pid, status)
         return status
+
+
+def _close_pipes(process: subprocess.Popen[bytes]) -> None:
+    for stream in (process.stdin, process.stdout):
+        try:
+            if stream is not None:
+                stream.close()
+        except OSError:
+            pass
 
 
 def _reap_when_it_ends(process: subprocess.Popen[bytes]) -> None:
