@@ -367,3 +367,40 @@ def test_the_canary_does_not_charge_the_old_versions_engine_restores_to_its_serv
         worker.close()
     assert batcher.engine_restores >= 11
     assert figures["cost_ratio"] is not None and 0.5 < figures["cost_ratio"] < 2.0, figures
+
+
+def test_of_quick_sleeps_and_wakes_the_last_one_wins(versions: dict[int, Any]) -> None:
+    """A sleep, a wake and a sleep again while the first release waits for its batch in flight:
+    the board sleeps, so the engine ends released (it was restored and held through the sleep);
+    a sleep that comes while a wake's restore runs releases it once the restore is done."""
+    backend = active([GatedActivate(versions[1], OPTIONS)])[0]
+    batcher = Batcher([backend], BatchPolicy(max_batch_size=8, max_queue_delay_us=0))
+
+    async def main() -> None:
+        batcher.start()
+        backend.gate.clear()
+        in_flight = batcher.submit({"input": images()})
+        await off_loop(backend.running)
+        batcher.release_engine()  # sleep
+        batcher.restore_engine()  # wake
+        batcher.release_engine()  # sleep again
+        backend.gate.set()
+        assert (await asyncio.wait_for(in_flight, 10)).version == 1
+        await until(lambda: batcher.engine_state is EngineState.RELEASED)
+        await asyncio.sleep(0.05)  # a restore left pending would run now
+        assert batcher.engine_state is EngineState.RELEASED and not backend.active
+        gate = threading.Event()
+        backend.activate_gate = gate
+        backend.activating.clear()
+        batcher.restore_engine()  # a wake (by command: no request waits)
+        await off_loop(backend.activating)
+        batcher.release_engine()  # and the board sleeps again before the restore is done
+        gate.set()
+        await until(lambda: batcher.engine_state is EngineState.RELEASED and not backend.active)
+        answer = await asyncio.wait_for(batcher.submit({"input": images()}), 10)
+        assert answer.version == 1 and backend.active
+        await batcher.stop()
+
+    asyncio.run(main())
+    backend.deactivate()
+    assert (batcher.engine_releases, batcher.engine_restores) == (2, 2)

@@ -118,6 +118,7 @@ class Batcher:
         self._engine = EngineState.ACTIVE
         self._engine_task: asyncio.Task[None] | None = None
         self._restore_after_release = False
+        self._release_after_restore = False
         self._engine_tried: set[int] = set()  # instances (by index) the release or restore took
         self.engine_releases = 0  # releases done
         self.engine_restores = 0  # restores done
@@ -334,8 +335,18 @@ class Batcher:
     def release_engine(self) -> None:
         """Free every instance's engine (``Backend.deactivate``) once its batches in flight are
         done; nothing is dispatched until :meth:`restore_engine` (or the next request) brings
-        them back. Call on the event loop. No-op unless ACTIVE."""
-        if self._engine is not EngineState.ACTIVE or self._closed:
+        them back. Call on the event loop. While RESTORING, right after (unless requests are
+        waiting); while RELEASING, a restore asked for meanwhile is dropped: of quick sleeps
+        and wakes, the last one wins."""
+        if self._closed:
+            return
+        if self._engine is EngineState.RELEASING:
+            self._restore_after_release = False
+            return
+        if self._engine is EngineState.RESTORING:
+            self._release_after_restore = True
+            return
+        if self._engine is not EngineState.ACTIVE:
             return
         self._engine = EngineState.RELEASING
         self._restore_after_release = False
@@ -345,13 +356,17 @@ class Batcher:
 
     def restore_engine(self) -> None:
         """Re-create every instance's engine (``Backend.activate``), then dispatch again. Call
-        on the event loop. No-op while ACTIVE or RESTORING; while RELEASING, right after."""
+        on the event loop. No-op while ACTIVE or RESTORING (where it drops a release asked for
+        meanwhile); while RELEASING, right after."""
         if self._closed:
             return
-        if self._engine is EngineState.RELEASING:
+        if self._engine is EngineState.RESTORING:
+            self._release_after_restore = False
+        elif self._engine is EngineState.RELEASING:
             self._restore_after_release = True
         elif self._engine is EngineState.RELEASED:
             self._engine = EngineState.RESTORING
+            self._release_after_restore = False
             self._engine_tried = set()
             self._engine_task = asyncio.get_running_loop().create_task(self._restore(),
                                                                        name="restore-engine")
@@ -425,6 +440,10 @@ class Batcher:
         finally:
             self._engine_task = None
             self._poke()
+        if self._release_after_restore:  # the board went back to sleep meanwhile
+            self._release_after_restore = False
+            if not self._queued:
+                self.release_engine()
 
     # -- submission ---------------------------------------------------------------------
 
