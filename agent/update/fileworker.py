@@ -222,6 +222,7 @@ class FileWorker:
         self._state_lock = threading.Lock()  # _process and _closed
         self._process: subprocess.Popen[bytes] | None = None
         self._closed = False
+        self._killed: int | None = None  # the pid kill() ended: its end is no news
         self.starts = 0  # processes started, for the tests and the log
 
     @property
@@ -281,6 +282,7 @@ class FileWorker:
         call starts a new one."""
         process = self._process
         if process is not None and process.poll() is None:
+            self._killed = process.pid
             process.kill()
             if self._call_lock.acquire(blocking=False):
                 # No call in flight (one in flight reaps it itself): SIGKILL lands
@@ -385,7 +387,8 @@ class FileWorker:
         if self._process is process:
             self._process = None
         status = _describe_status(process.returncode)
-        log.warning("update file worker pid %d ended (%s)", process.pid, status)
+        log.log(logging.INFO if process.pid == self._killed else logging.WARNING,
+                "update file worker pid %d ended (%s)", process.pid, status)
         return status
 
 
