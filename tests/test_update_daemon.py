@@ -318,6 +318,36 @@ def test_a_downgrade_is_refused_and_a_rollback_returns_to_the_previous_version(
     assert out["clients"].versions[-1] == "1"
 
 
+def test_files_that_cannot_be_removed_do_not_turn_a_refusal_into_a_failed_rollback(
+        setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A disk gone read-only under the state directory: removing the download's files fails
+    (EROFS), and the refused update must still end with its own reason, v1 serving."""
+    import errno
+
+    import agent.update.steps
+
+    def read_only(destination: Path) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(destination) + ".part")
+
+    monkeypatch.setattr(agent.update.steps, "discard_partial", read_only)
+    stranger, _ = make_bundle(setup["dir"] / "stranger", version=2, key=generate_private_key())
+    daemon = _daemon(setup)
+
+    async def session(port: int) -> dict[str, Any]:
+        refused = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(stranger)})
+        status = await _until_idle(daemon)
+        return {"refused": refused, "status": status,
+                "version": daemon.services["tiny"].version}
+
+    out = run_foreground(daemon, session=session)
+    assert out["refused"]["error"]["reason"] == "bad_signature", out["refused"]
+    outcome = out["status"]["last_outcome"]
+    assert (outcome["result"], outcome["reason"]) == ("failed", "bad_signature"), outcome
+    assert out["version"] == 1
+    assert "could not remove the download's files" in caplog.text
+
+
 def test_an_authorised_downgrade_applies_an_older_version_through_the_canary(
         setup: dict[str, Any]) -> None:
     from agent.update.updater import UpdateRequest

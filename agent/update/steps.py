@@ -420,8 +420,14 @@ class DaemonSteps:
         otherwise, and a run of failing versions would fill the disk (the store never deletes
         the current or the previous version). Blocking I/O, for an executor thread."""
         if destination is not None:
-            discard_partial(destination)
-            destination.unlink(missing_ok=True)
+            try:
+                discard_partial(destination)
+                destination.unlink(missing_ok=True)
+            except OSError as exc:
+                # A disk gone read-only or failing: the update's own failure is the news, and
+                # the files left behind harm nothing (a download resumes or replaces its part).
+                log.warning("could not remove the download's files beside %s: %s", destination,
+                            exc)
         try:
             self.daemon.store.garbage_collect()
         except StoreError as exc:
