@@ -51,6 +51,11 @@ def test_bench_swap_runs_every_phase_and_writes_its_figures(tmp_path: Path,
     assert summary["failed_requests"] == 0, summary["failures_by_kind"]
     assert summary["phases"]["steady"]["requests"] > 0
     assert summary["phases"]["during_swaps"]["requests"] > 0
+    # The load alone in the gap before each swap, a baseline in the swaps' own minutes.
+    assert summary["phases"]["quiet_gaps"]["requests"] > 0
+    assert summary["p99_swap_over_quiet"] == pytest.approx(
+        summary["phases"]["during_swaps"]["p99_ms"] / summary["phases"]["quiet_gaps"]["p99_ms"])
+    assert "over the quiet gaps" in printed
     # The disagreeing version never answered; the NaN-after-commit one did, and was rolled
     # back by the watch window to the version before it.
     canary = summary["canary_reject"]
