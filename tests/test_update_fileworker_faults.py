@@ -59,3 +59,34 @@ def test_a_call_right_after_kill_gets_a_new_worker_not_the_dying_one(worker: Fil
         worker.kill()
         answer = worker.call("ping")
         assert answer["pid"] != killed
+
+
+def test_a_worker_unused_for_its_idle_time_is_stopped_and_the_next_call_starts_another() -> None:
+    """Between updates (weeks apart on a board) the worker's memory goes back to the board."""
+    worker = FileWorker(nice=os.getpriority(os.PRIO_PROCESS, 0) + 10, idle_stop_s=0.5)
+    try:
+        worker.start()
+        pid = worker.pid
+        assert pid is not None
+        deadline = time.monotonic() + 10
+        while _state(pid) is not None:  # ended and reaped, not left a zombie
+            assert time.monotonic() < deadline, f"the idle worker {pid} is {_state(pid)}"
+            time.sleep(0.05)
+        assert worker.pid is None
+        answer = worker.call("ping")
+        assert answer["pid"] != pid and worker.starts == 2
+    finally:
+        worker.close()
+
+
+def test_calls_keep_the_worker_from_its_idle_stop() -> None:
+    worker = FileWorker(nice=os.getpriority(os.PRIO_PROCESS, 0) + 10, idle_stop_s=0.6)
+    try:
+        worker.start()
+        pids = set()
+        for _ in range(8):  # 1.6 s in all, never 0.6 s without a call
+            pids.add(worker.call("ping")["pid"])
+            time.sleep(0.2)
+        assert len(pids) == 1 and worker.starts == 1
+    finally:
+        worker.close()

@@ -28,7 +28,8 @@ reason ``worker_unavailable``; the steps then do that update's file work on thei
 as before, with a warning (agent/update/steps.py). The worker ends by itself when the daemon
 goes away: its requests' pipe closes, and a watchdog thread ends it within
 :data:`WATCHDOG_S` if its parent dies mid-call; the store's start removes a staging directory
-it was writing.
+it was writing. A worker that no call has used for :data:`IDLE_STOP_S` is stopped
+(its memory back to the board between updates); the next call starts another.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 WATCHDOG_S = 0.5  # how often a worker checks that its parent is alive
 START_TIMEOUT_S = 60.0  # an interpreter's start on a loaded board, with margin
 STOP_TIMEOUT_S = 2.0
+# A worker unused this long is stopped (its 30-odd MiB given back between updates, which on a
+# board may be weeks apart); the next call starts another, an interpreter's start of CPU.
+IDLE_STOP_S = 600.0
 _HEADER = struct.Struct(">Q")
 _MAX_FRAME_BYTES = 64 << 20  # a manifest is at most 1 MiB; anything near this is a bug
 
@@ -211,13 +215,18 @@ class FileWorker:
     Args:
         nice: The worker's nice value (at least the daemon's plus the update's increment).
         python: The interpreter to run.
+        idle_stop_s: Stop a worker no call has used for this long (None: never).
     """
 
     def __init__(self, *, nice: int, python: str = sys.executable,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S,
+                 idle_stop_s: float | None = IDLE_STOP_S) -> None:
         self.nice = nice
         self.python = python
         self.start_timeout_s = start_timeout_s
+        self.idle_stop_s = idle_stop_s
+        self._idle: threading.Timer | None = None
+        self._uses = 0  # start() and call()s so far: an idle stop checks none came since
         self._call_lock = threading.Lock()  # one call at a time
         self._state_lock = threading.Lock()  # _process and _closed
         self._process: subprocess.Popen[bytes] | None = None
@@ -243,6 +252,7 @@ class FileWorker:
         """
         with self._call_lock:
             self._ensure_started()
+            self._arm_idle_stop()
 
     def call(self, task: str, *, on_progress: Callable[[Any], None] | None = None,
              **kwargs: Any) -> Any:
@@ -259,6 +269,7 @@ class FileWorker:
         if task not in TASKS:
             raise UpdateError("no such file worker task", reason="worker_error", task=task)
         with self._call_lock:
+            self._uses += 1
             process = self._ensure_started()
             assert process.stdin is not None and process.stdout is not None  # made with PIPE
             try:
@@ -273,6 +284,8 @@ class FileWorker:
                 raise UpdateError("the update's file worker ended during its work",
                                   reason="worker_died", task=task, status=status,
                                   pid=process.pid, cause=str(exc)) from None
+            finally:
+                self._arm_idle_stop()
         if kind == "error":
             raise value
         return value
@@ -302,6 +315,9 @@ class FileWorker:
         with self._state_lock:
             self._closed = True
             process = self._process
+            idle, self._idle = self._idle, None
+        if idle is not None:
+            idle.cancel()
         if process is None:
             return
         if self._call_lock.locked():
@@ -318,6 +334,49 @@ class FileWorker:
             process.wait()
         if process.stdout is not None:
             process.stdout.close()
+
+    def _arm_idle_stop(self) -> None:
+        """(Re)start the idle stop's countdown; with the call lock held."""
+        if self.idle_stop_s is None:
+            return
+        timer = threading.Timer(self.idle_stop_s, self._stop_if_idle, args=(self._uses,))
+        timer.name = "update-file-worker-idle"
+        timer.daemon = True
+        with self._state_lock:
+            if self._closed:
+                return
+            earlier, self._idle = self._idle, timer
+        if earlier is not None:
+            earlier.cancel()
+        timer.start()
+
+    def _stop_if_idle(self, uses: int) -> None:
+        """The idle stop: end the worker unless a call came since the countdown began (or
+        runs now: it starts a new countdown when it ends)."""
+        if not self._call_lock.acquire(blocking=False):
+            return
+        try:
+            with self._state_lock:
+                process = self._process
+                if self._closed or uses != self._uses or process is None:
+                    return
+                self._process = None
+            self._killed = process.pid  # its end is no news
+            try:
+                if process.stdin is not None:
+                    process.stdin.close()  # the worker ends at the end of its requests
+            except OSError:
+                pass
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            _close_pipes(process)
+            log.info("update file worker pid %d stopped after %.0f s unused (%s)", process.pid,
+                     self.idle_stop_s, _describe_status(process.returncode))
+        finally:
+            self._call_lock.release()
 
     def _ensure_started(self) -> subprocess.Popen[bytes]:
         if self._closed:
