@@ -561,13 +561,21 @@ def test_a_step_stuck_in_the_file_worker_ends_at_a_newer_request_or_its_deadline
     v3, _ = make_bundle(setup["dir"], version=3, key=setup["key"])
     daemon = Daemon(setup["config"], canary_policy=CanaryPolicy(
         duration_s=0.5, min_samples=16, watch_min_requests=20, require_traffic=False),
-        update_policy=UpdatePolicy(watch_window_s=1.0, downloading_s=2.0))
+        # A newer request must end the stuck step long before a deadline would: its own
+        # deadline is then far off, since the newer update's download waits for a new worker
+        # to start (at its low priority: seconds on a loaded machine).
+        update_policy=UpdatePolicy(watch_window_s=1.0,
+                                   downloading_s=2.0 if ending == "deadline" else 30.0))
 
     async def session(port: int) -> dict[str, Any]:
         stuck = await _stuck_in_downloading(daemon, v2)
         started = time.monotonic()
         if ending == "deadline":
             failed = await _until_idle(daemon)
+            # The next worker started before v3 is applied: its start (seconds at its low
+            # priority on a loaded machine) is not v3's to fit in the 2 s deadline.
+            assert daemon.update_steps is not None
+            await _in_thread(daemon.update_steps.file_worker.start)
         else:
             failed = None
         applied = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v3)})
