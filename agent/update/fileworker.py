@@ -322,18 +322,7 @@ class FileWorker:
             return
         if self._call_lock.locked():
             process.kill()  # mid-call: nothing it writes is wanted any more
-        try:
-            if process.stdin is not None:
-                process.stdin.close()
-        except OSError:
-            pass
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+        _stop(process)
 
     def _arm_idle_stop(self) -> None:
         """(Re)start the idle stop's countdown; with the call lock held."""
@@ -362,17 +351,7 @@ class FileWorker:
                     return
                 self._process = None
             self._killed = process.pid  # its end is no news
-            try:
-                if process.stdin is not None:
-                    process.stdin.close()  # the worker ends at the end of its requests
-            except OSError:
-                pass
-            try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            _close_pipes(process)
+            _stop(process)
             log.info("update file worker pid %d stopped after %.0f s unused (%s)", process.pid,
                      self.idle_stop_s, _describe_status(process.returncode))
         finally:
@@ -449,6 +428,22 @@ class FileWorker:
         log.log(logging.INFO if process.pid == self._killed else logging.WARNING,
                 "update file worker pid %d ended (%s)", process.pid, status)
         return status
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """End ``process`` the orderly way: its requests' pipe closed (the worker ends at the end
+    of its requests), killed after :data:`STOP_TIMEOUT_S`; reaped, its pipes closed."""
+    try:
+        if process.stdin is not None:
+            process.stdin.close()
+    except OSError:
+        pass
+    try:
+        process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    _close_pipes(process)
 
 
 def _close_pipes(process: subprocess.Popen[bytes]) -> None:
