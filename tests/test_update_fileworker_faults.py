@@ -1,10 +1,10 @@
 """Faults around the update's file worker process (agent/update/fileworker.py) as a board meets
 them: a worker that dies between updates (the OOM killer, an operator's kill) is not left a
-zombie until the next update; an exception of any type raised in the worker, or an answer that
-cannot cross back, fails the call with a clear reason and leaves the worker usable."""
+zombie until the next update, and its end is logged as it happens."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -91,3 +91,44 @@ def test_calls_keep_the_worker_from_its_idle_stop() -> None:
         assert len(pids) == 1 and worker.starts == 1
     finally:
         worker.close()
+
+
+def _ends_logged(caplog: pytest.LogCaptureFixture, pid: int) -> list[logging.LogRecord]:
+    return [record for record in caplog.records
+            if record.getMessage().startswith(f"update file worker pid {pid} ended")]
+
+
+def test_a_worker_that_dies_while_idle_is_logged_as_it_ends_and_only_then(
+        worker: FileWorker, caplog: pytest.LogCaptureFixture) -> None:
+    """An operator's kill or the OOM killer between updates: the log says so when it happens,
+    with the signal, at warning level (the next update may be weeks later), and the next call
+    does not say it again."""
+    caplog.set_level(logging.INFO, logger="agent.update.fileworker")
+    worker.start()
+    pid = worker.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while not _ends_logged(caplog, pid):
+        assert time.monotonic() < deadline, "the worker's end was not logged"
+        time.sleep(0.05)
+    [record] = _ends_logged(caplog, pid)
+    assert record.levelno == logging.WARNING and "killed by SIGKILL" in record.getMessage()
+    worker.call("ping")
+    assert len(_ends_logged(caplog, pid)) == 1
+
+
+def test_a_worker_ended_by_kill_while_idle_is_logged_once_at_info(
+        worker: FileWorker, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="agent.update.fileworker")
+    worker.start()
+    pid = worker.pid
+    assert pid is not None
+    worker.kill()
+    deadline = time.monotonic() + 5
+    while not _ends_logged(caplog, pid):
+        assert time.monotonic() < deadline, "the worker's end was not logged"
+        time.sleep(0.05)
+    worker.call("ping")
+    [record] = _ends_logged(caplog, pid)
+    assert record.levelno == logging.INFO

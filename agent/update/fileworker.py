@@ -21,15 +21,16 @@ a staging directory and renames it into place itself, under its lock
 (:meth:`~agent.store.store.ModelStore.begin_install`).
 
 Failures: a worker that dies (killed, out of memory) fails the call with reason
-``worker_died`` and the exit status; the next call starts a new one. :meth:`FileWorker.kill`
-ends a call in flight at once (a step cancelled or past its deadline: the updater's
-cancellation must not wait for a file to be written). A worker that cannot be started raises
-reason ``worker_unavailable``; the steps then do that update's file work on their own thread,
-as before, with a warning (agent/update/steps.py). The worker ends by itself when the daemon
-goes away: its requests' pipe closes, and a watchdog thread ends it within
-:data:`WATCHDOG_S` if its parent dies mid-call; the store's start removes a staging directory
-it was writing. A worker that no call has used for :data:`IDLE_STOP_S` is stopped
-(its memory back to the board between updates); the next call starts another.
+``worker_died`` and the exit status; the next call starts a new one. Its end is logged once, as
+it happens (its reaping thread), with its exit status or signal: at warning level unless the
+daemon ended it. :meth:`FileWorker.kill` ends a call in flight at once (a step cancelled or
+past its deadline: the updater's cancellation must not wait for a file to be written). A
+worker that cannot be started raises reason ``worker_unavailable``; the steps then do that
+update's file work on their own thread, as before, with a warning (agent/update/steps.py).
+The worker ends by itself when the daemon goes away: its requests' pipe closes, and a watchdog
+thread ends it within :data:`WATCHDOG_S` if its parent dies mid-call; the store's start removes
+a staging directory it was writing. A worker that no call has used for :data:`IDLE_STOP_S` is
+stopped (its memory back to the board between updates); the next call starts another.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -231,7 +233,10 @@ class FileWorker:
         self._state_lock = threading.Lock()  # _process and _closed
         self._process: subprocess.Popen[bytes] | None = None
         self._closed = False
-        self._killed: int | None = None  # the pid kill() ended: its end is no news
+        # Processes the daemon itself ended (kill(), the idle stop, close()): their end is no
+        # news. And those whose end was logged: once, by whoever saw it first.
+        self._ended_by_us: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
+        self._end_logged: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
         self.starts = 0  # processes started, for the tests and the log
 
     @property
@@ -293,9 +298,11 @@ class FileWorker:
     def kill(self) -> None:
         """End the worker at once (a call in flight then fails ``worker_died``); the next
         call starts a new one."""
-        process = self._process
+        with self._state_lock:
+            process = self._process
+            if process is not None:
+                self._ended_by_us.add(process)
         if process is not None and process.poll() is None:
-            self._killed = process.pid
             process.kill()
             if self._call_lock.acquire(blocking=False):
                 # No call in flight (one in flight reaps it itself): SIGKILL lands
@@ -316,6 +323,8 @@ class FileWorker:
             self._closed = True
             process = self._process
             idle, self._idle = self._idle, None
+            if process is not None:
+                self._ended_by_us.add(process)
         if idle is not None:
             idle.cancel()
         if process is None:
@@ -350,7 +359,8 @@ class FileWorker:
                 if self._closed or uses != self._uses or process is None:
                     return
                 self._process = None
-            self._killed = process.pid  # its end is no news
+                self._ended_by_us.add(process)
+                self._end_logged.add(process)  # the line below says it
             _stop(process)
             log.info("update file worker pid %d stopped after %.0f s unused (%s)", process.pid,
                      self.idle_stop_s, _describe_status(process.returncode))
@@ -390,6 +400,8 @@ class FileWorker:
                 raise EOFError(f"no answer within {self.start_timeout_s:g} s")
             hello = _receive(process.stdout)
         except (OSError, EOFError, pickle.UnpicklingError, ValueError) as exc:
+            with self._state_lock:
+                self._ended_by_us.add(process)
             process.kill()
             status = self._reap(process)
             raise UpdateError("the update's file worker did not start",
@@ -397,7 +409,9 @@ class FileWorker:
                               cause=str(exc)) from None
         with self._state_lock:
             closed = self._closed
-            if not closed:
+            if closed:
+                self._ended_by_us.add(process)
+            else:
                 self._process = process
         if closed:  # the daemon stopped while this one started
             process.kill()
@@ -406,8 +420,9 @@ class FileWorker:
                               reason="worker_unavailable")
         self.starts += 1
         # Reaped the moment it ends, whenever that is: one killed between updates (the OOM
-        # killer, an operator) is otherwise a zombie of the daemon until the next call.
-        threading.Thread(target=_reap_when_it_ends, args=(process,),
+        # killer, an operator) is otherwise a zombie of the daemon until the next call, and
+        # its end would only be logged then, perhaps weeks later.
+        threading.Thread(target=self._reap_when_it_ends, args=(process,),
                          name=f"update-file-worker-{process.pid}", daemon=True).start()
         rss = _rss_kib(process.pid)
         log.info("update file worker pid %d started in %.2f s (nice %s, RSS %s MiB)",
@@ -422,12 +437,46 @@ class FileWorker:
             process.kill()
             process.wait()
         _close_pipes(process)
-        if self._process is process:
-            self._process = None
+        with self._state_lock:
+            if self._process is process:
+                self._process = None
+        return self._log_end(process)
+
+    def _log_end(self, process: subprocess.Popen[bytes]) -> str:
+        """Log that the (reaped) ``process`` ended, with its status, unless that was said
+        already; returns the status."""
         status = _describe_status(process.returncode)
-        log.log(logging.INFO if process.pid == self._killed else logging.WARNING,
+        with self._state_lock:
+            if process in self._end_logged:
+                return status
+            self._end_logged.add(process)
+            expected = process in self._ended_by_us
+        log.log(logging.INFO if expected else logging.WARNING,
                 "update file worker pid %d ended (%s)", process.pid, status)
         return status
+
+    def _reap_when_it_ends(self, process: subprocess.Popen[bytes]) -> None:
+        """Wait (a thread of its own) until ``process`` has ended, reap it and log its end,
+        as it happens. The wait leaves it unreaped (WNOWAIT) and holds none of Popen's locks:
+        Popen.wait() from the start would hold its lock throughout, and a poll() elsewhere
+        would then take a dead worker for a live one until this thread ran again. Once it has
+        ended, wait() only reaps it (or waits the moment another thread's poll() takes to).
+        A worker that died while idle is also let go of here (its pipes closed), as kill()
+        does: nothing of it waits for the next call, weeks later perhaps."""
+        try:
+            os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass  # reaped already (_reap, close)
+        process.wait()
+        if self._call_lock.acquire(blocking=False):  # else a call in flight reaps its own
+            try:
+                with self._state_lock:
+                    if self._process is process:
+                        self._process = None
+                _close_pipes(process)
+            finally:
+                self._call_lock.release()
+        self._log_end(process)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -453,18 +502,6 @@ def _close_pipes(process: subprocess.Popen[bytes]) -> None:
                 stream.close()
         except OSError:
             pass
-
-
-def _reap_when_it_ends(process: subprocess.Popen[bytes]) -> None:
-    """Wait (a thread of its own) until ``process`` has ended, then reap it with ``poll``.
-    The wait leaves it unreaped (WNOWAIT) and holds none of Popen's locks: Popen.wait() here
-    would hold its lock throughout, and a poll() elsewhere would then take a dead worker for a
-    live one until this thread ran again."""
-    try:
-        os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
-    except ChildProcessError:
-        return  # reaped already (FileWorker._reap, close)
-    process.poll()
 
 
 # -- the worker's side ------------------------------------------------------------------------
