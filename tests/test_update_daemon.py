@@ -550,6 +550,46 @@ def test_a_file_worker_killed_in_a_step_fails_the_update_with_its_reason_and_the
     assert out["starts"] == 2
 
 
+def test_a_step_whose_file_worker_still_starts_ends_at_its_deadline_and_the_start_is_killed(
+        setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The download's worker takes longer to start than the step's deadline (an interpreter at
+    nice +10 on a loaded board): the step fails ``deadline`` then, the half-started worker is
+    killed and reaped, and the next update gets a worker of its own (before, the cancellation
+    missed the start: the step was abandoned, and the file thread went on to start the worker
+    and download the cancelled bundle, with the next update queued behind it)."""
+    import sys
+
+    from tests.test_update_fileworker_faults import slow_python, wait_for_pid
+
+    v2, _ = make_bundle(setup["dir"], version=2, key=setup["key"])
+    v3, _ = make_bundle(setup["dir"], version=3, key=setup["key"])
+    python, mark = slow_python(setup["dir"], monkeypatch)
+    daemon = Daemon(setup["config"], canary_policy=CanaryPolicy(
+        duration_s=0.5, min_samples=16, watch_min_requests=20, require_traffic=False),
+        update_policy=UpdatePolicy(watch_window_s=1.0, downloading_s=2.0))
+
+    async def session(port: int) -> dict[str, Any]:
+        assert daemon.update_steps is not None
+        worker = daemon.update_steps.file_worker
+        await _until(lambda: worker.pid is not None)  # the one started with the updater
+        worker.kill()
+        worker.python = python  # the next start is a slow one
+        await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v2), "wait": False})
+        starting = await _in_thread(wait_for_pid, mark)
+        failed = await _until_idle(daemon)
+        await _until(lambda: not Path(f"/proc/{starting}").exists(), timeout_s=5)
+        worker.python = sys.executable
+        applied = await _in_thread(_call, daemon, UPDATE_APPLY, {"source": _url(v3)})
+        await _until_idle(daemon)
+        return {"failed": failed, "applied": applied, "starts": worker.starts}
+
+    out = run_foreground(daemon, session=session)
+    outcome = out["failed"]["last_outcome"]
+    assert (outcome["reason"], outcome["state"]) == ("deadline", "downloading"), outcome
+    assert out["applied"]["serving"]["version"] == 3
+    assert out["starts"] == 2  # the updater's, v3's; the slow one never counted
+
+
 @pytest.mark.parametrize("ending", ["newer_request", "deadline"])
 def test_a_step_stuck_in_the_file_worker_ends_at_a_newer_request_or_its_deadline(
         setup: dict[str, Any], ending: str) -> None:

@@ -1,18 +1,24 @@
 """Faults around the update's file worker process (agent/update/fileworker.py) as a board meets
 them: a worker that dies between updates (the OOM killer, an operator's kill) is not left a
-zombie until the next update, and its end is logged as it happens."""
+zombie until the next update, and its end is logged as it happens; a step cancelled while its
+worker still starts (seconds at nice +10 on a loaded board) ends at once, the half-started worker
+killed and reaped."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from agent.errors import AgentError
 from agent.update.fileworker import FileWorker
 
 
@@ -132,3 +138,71 @@ def test_a_worker_ended_by_kill_while_idle_is_logged_once_at_info(
     worker.call("ping")
     [record] = _ends_logged(caplog, pid)
     assert record.levelno == logging.INFO
+
+
+# An interpreter that takes as long as a loaded board's to start the worker: it says its pid in
+# a file, sleeps, then becomes the real interpreter with the worker's arguments.
+_SLOW_PYTHON = """#!{python}
+import os, sys, time
+with open(os.environ["SLOW_START_MARK"], "w") as mark:
+    mark.write(str(os.getpid()))
+time.sleep({seconds})
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+def slow_python(directory: Path, monkeypatch: pytest.MonkeyPatch,
+                seconds: float = 30.0) -> tuple[str, Path]:
+    """A slow-starting interpreter for the worker, and the file its pid appears in."""
+    script = directory / "slow-python"
+    script.write_text(_SLOW_PYTHON.format(python=sys.executable, seconds=seconds))
+    script.chmod(0o755)
+    mark = directory / "slow-start.pid"
+    monkeypatch.setenv("SLOW_START_MARK", str(mark))
+    return str(script), mark
+
+
+def wait_for_pid(mark: Path, timeout_s: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while not (mark.exists() and mark.read_text()):
+        assert time.monotonic() < deadline, "the slow interpreter never started"
+        time.sleep(0.02)
+    return int(mark.read_text())
+
+
+def test_a_kill_while_the_worker_starts_ends_the_call_at_once_and_reaps_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The step is cancelled (a newer request, its deadline) while its worker still starts:
+    the call must end now, ``worker_died`` (``worker_unavailable`` would send the cancelled
+    work to the daemon's own thread), not wait for the start and then run its task anyway."""
+    caplog.set_level(logging.INFO, logger="agent.update.fileworker")
+    python, mark = slow_python(tmp_path, monkeypatch)
+    worker = FileWorker(nice=os.getpriority(os.PRIO_PROCESS, 0) + 10, python=python)
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            result["value"] = worker.call("ping")
+        except AgentError as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    try:
+        thread.start()
+        starting = wait_for_pid(mark)
+        killed = time.monotonic()
+        worker.kill()
+        thread.join(10)
+        assert not thread.is_alive(), "the call waited for the worker's start"
+        assert time.monotonic() - killed < 5
+        error = result.get("error")
+        assert error is not None and error.reason == "worker_died", result
+        assert _state(starting) is None  # killed and reaped
+        assert worker.starts == 0 and worker.pid is None
+        [record] = _ends_logged(caplog, starting)
+        assert record.levelno == logging.INFO and "killed by SIGKILL" in record.getMessage()
+        worker.python = sys.executable  # the next call starts a worker as usual
+        assert worker.call("ping")["pid"] != starting and worker.starts == 1
+    finally:
+        worker.close()

@@ -24,13 +24,16 @@ Failures: a worker that dies (killed, out of memory) fails the call with reason
 ``worker_died`` and the exit status; the next call starts a new one. Its end is logged once, as
 it happens (its reaping thread), with its exit status or signal: at warning level unless the
 daemon ended it. :meth:`FileWorker.kill` ends a call in flight at once (a step cancelled or
-past its deadline: the updater's cancellation must not wait for a file to be written). A
-worker that cannot be started raises reason ``worker_unavailable``; the steps then do that
-update's file work on their own thread, as before, with a warning (agent/update/steps.py).
-The worker ends by itself when the daemon goes away: its requests' pipe closes, and a watchdog
-thread ends it within :data:`WATCHDOG_S` if its parent dies mid-call; the store's start removes
-a staging directory it was writing. A worker that no call has used for :data:`IDLE_STOP_S` is
-stopped (its memory back to the board between updates); the next call starts another.
+past its deadline: the updater's cancellation must not wait for a file to be written), a
+worker still starting for it included (an interpreter's start at nice +10 takes seconds on a
+loaded board): the call then fails ``worker_died`` too, never ``worker_unavailable``, which
+would send the cancelled step's work to the daemon's own thread. A worker that cannot be
+started raises reason ``worker_unavailable``; the steps then do that update's file work on
+their own thread, as before, with a warning (agent/update/steps.py). The worker ends by
+itself when the daemon goes away: its requests' pipe closes, and a watchdog thread ends it
+within :data:`WATCHDOG_S` if its parent dies mid-call; the store's start removes a staging
+directory it was writing. A worker that no call has used for :data:`IDLE_STOP_S` is stopped
+(its memory back to the board between updates); the next call starts another.
 """
 
 from __future__ import annotations
@@ -232,7 +235,10 @@ class FileWorker:
         self._call_lock = threading.Lock()  # one call at a time
         self._state_lock = threading.Lock()  # _process and _closed
         self._process: subprocess.Popen[bytes] | None = None
+        self._starting: subprocess.Popen[bytes] | None = None  # started, not answered yet
         self._closed = False
+        self._in_call = False  # a call() or start() holds the call lock
+        self._kill_pending = False  # kill() came during it: it must end, even mid-start
         # Processes the daemon itself ended (kill(), the idle stop, close()): their end is no
         # news. And those whose end was logged: once, by whoever saw it first.
         self._ended_by_us: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
@@ -256,7 +262,11 @@ class FileWorker:
             UpdateError: ``worker_unavailable``: it cannot be started or did not answer.
         """
         with self._call_lock:
-            self._ensure_started()
+            self._begin_call()
+            try:
+                self._ensure_started()
+            finally:
+                self._end_call()
             self._arm_idle_stop()
 
     def call(self, task: str, *, on_progress: Callable[[Any], None] | None = None,
@@ -275,7 +285,12 @@ class FileWorker:
             raise UpdateError("no such file worker task", reason="worker_error", task=task)
         with self._call_lock:
             self._uses += 1
-            process = self._ensure_started()
+            self._begin_call()
+            try:
+                process = self._ensure_started()
+            except BaseException:
+                self._end_call()
+                raise
             assert process.stdin is not None and process.stdout is not None  # made with PIPE
             try:
                 _send(process.stdin, (task, kwargs))
@@ -290,16 +305,19 @@ class FileWorker:
                                   reason="worker_died", task=task, status=status,
                                   pid=process.pid, cause=str(exc)) from None
             finally:
+                self._end_call()
                 self._arm_idle_stop()
         if kind == "error":
             raise value
         return value
 
     def kill(self) -> None:
-        """End the worker at once (a call in flight then fails ``worker_died``); the next
-        call starts a new one."""
+        """End the worker at once (a call in flight then fails ``worker_died``, one whose
+        worker is still starting too); the next call starts a new one."""
         with self._state_lock:
-            process = self._process
+            if self._in_call:
+                self._kill_pending = True  # seen by a start not yet begun or not yet answered
+            process = self._process or self._starting
             if process is not None:
                 self._ended_by_us.add(process)
         if process is not None and process.poll() is None:
@@ -367,6 +385,14 @@ class FileWorker:
         finally:
             self._call_lock.release()
 
+    def _begin_call(self) -> None:
+        with self._state_lock:
+            self._in_call, self._kill_pending = True, False
+
+    def _end_call(self) -> None:
+        with self._state_lock:
+            self._in_call, self._kill_pending = False, False
+
     def _ensure_started(self) -> subprocess.Popen[bytes]:
         if self._closed:
             raise UpdateError("the update's file worker is stopped (the daemon stops)",
@@ -394,6 +420,15 @@ class FileWorker:
             raise UpdateError("the update's file worker cannot be started",
                               reason="worker_unavailable", cause=str(exc)) from exc
         assert process.stdout is not None  # made with PIPE
+        # Visible to kill() while it starts: a step cancelled meanwhile (a newer request, its
+        # deadline) must not wait for the start, then run its work to the end regardless.
+        with self._state_lock:
+            self._starting = process
+            killed = self._kill_pending
+            if killed:
+                self._ended_by_us.add(process)
+        if killed:
+            process.kill()
         try:
             ready, _, _ = select.select([process.stdout], [], [], self.start_timeout_s)
             if not ready:
@@ -401,23 +436,34 @@ class FileWorker:
             hello = _receive(process.stdout)
         except (OSError, EOFError, pickle.UnpicklingError, ValueError) as exc:
             with self._state_lock:
+                self._starting = None
+                killed = self._kill_pending
                 self._ended_by_us.add(process)
             process.kill()
             status = self._reap(process)
+            if killed:
+                raise UpdateError("the update's file worker was killed as it started",
+                                  reason="worker_died", status=status, pid=process.pid,
+                                  cause="kill() (the step was cancelled)") from None
             raise UpdateError("the update's file worker did not start",
                               reason="worker_unavailable", status=status,
                               cause=str(exc)) from None
         with self._state_lock:
-            closed = self._closed
-            if closed:
+            self._starting = None
+            closed, killed = self._closed, self._kill_pending
+            if closed or killed:
                 self._ended_by_us.add(process)
             else:
                 self._process = process
-        if closed:  # the daemon stopped while this one started
+        if closed or killed:  # the daemon stopped, or the call was cancelled, as it started
             process.kill()
-            self._reap(process)
-            raise UpdateError("the update's file worker is stopped (the daemon stops)",
-                              reason="worker_unavailable")
+            status = self._reap(process)
+            if closed:
+                raise UpdateError("the update's file worker is stopped (the daemon stops)",
+                                  reason="worker_unavailable")
+            raise UpdateError("the update's file worker was killed as it started",
+                              reason="worker_died", status=status, pid=process.pid,
+                              cause="kill() (the step was cancelled)")
         self.starts += 1
         # Reaped the moment it ends, whenever that is: one killed between updates (the OOM
         # killer, an operator) is otherwise a zombie of the daemon until the next call, and
