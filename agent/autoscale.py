@@ -14,7 +14,10 @@ and only when the memory available, ``MemAvailable`` in ``/proc/meminfo``, stays
 ``scale_down_rate`` requests a second remove one (down to ``instances``). A new instance is made
 and warmed up on a low-priority thread (agent/update/priority.py), as a new version is, then
 joins the batcher; one removed first stops getting batches, drains and is freed. While an update
-runs the autoscaler waits: the update's new version starts with ``instances`` instances.
+runs the autoscaler waits: the update's new version starts with ``instances`` instances. While
+the power governor's sleep has the engines released (``release_engine_in_sleep``) none is added
+(the load it measured is over, and the instance would hold its memory through the sleep); one
+made as the board went to sleep is released with the others when it joins.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from agent import runtime
 from agent.backends import backend_class, resolve_backend_name
 from agent.backends.base import Backend
+from agent.batcher.batcher import EngineState
 from agent.observers import BatchDone, RequestDone, ServingObserver
 from agent.update.priority import LowPriority
 
@@ -158,7 +162,7 @@ class Autoscaler:
             return
         self._forget_other_versions(service.version)
         if self._busy_windows >= WINDOWS_TO_ACT and count < serving.max_instances:
-            why = self._memory_refusal(service)
+            why = self._asleep(service) or self._memory_refusal(service)
             if why is not None:
                 self._record(utilization, rate, count, "kept", why)
                 return
@@ -181,6 +185,16 @@ class Autoscaler:
         del self.decisions[:-100]
         if action != "kept":
             log.info("autoscaling: %s an instance (%s); %d now", action, why, instances)
+
+    @staticmethod
+    def _asleep(service: Any) -> str | None:
+        """Why no instance is added now that the power governor's sleep released the engines
+        (``release_engine_in_sleep``): the busy windows are over (the board slept for want of
+        requests), and a new instance would hold the memory the sleep gave back."""
+        state = getattr(service.batcher, "engine_state", EngineState.ACTIVE)
+        if state in (EngineState.RELEASING, EngineState.RELEASED):
+            return f"the engines are {state.value} (the board sleeps)"
+        return None
 
     def _memory_refusal(self, service: Any) -> str | None:
         available = available_memory_mib(self.meminfo)

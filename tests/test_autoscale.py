@@ -1,5 +1,6 @@
 """Instance autoscaling on a real daemon: an instance added under sustained load, removed when
-requests become rare, none added past the memory floor, and no request lost on the way."""
+requests become rare, none added past the memory floor or while the engines sleep released, and
+no request lost on the way."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from agent.autoscale import available_memory_mib
+from agent.batcher.batcher import EngineState
 from agent.config import load_config
 from agent.daemon import Daemon
 from agent.run import run_foreground
@@ -99,3 +101,31 @@ def test_autoscaling_is_off_unless_max_instances_is_above_instances(tmp_path: Pa
     assert [task.name for task in daemon.supervisor.status()] == ["updater"]
     assert [task.name for task in _daemon(tmp_path / "on").supervisor.status()] == [
         "updater", "autoscaler"]
+
+
+def test_no_instance_is_added_while_the_engines_are_released(tmp_path: Path) -> None:
+    """Busy windows, then the power governor's sleep released the engines: an instance made
+    now would hold its memory through the sleep, for a load that is over. Once they are
+    restored, the same windows add one."""
+    daemon = _daemon(tmp_path, scale_window_s=3600.0)  # only the test's windows count
+
+    async def session(port: int) -> dict[str, Any]:
+        service = daemon.services["tiny"]
+        batcher = service.batcher
+        batcher.release_engine()
+        await _until(lambda: batcher.engine_state is EngineState.RELEASED, daemon)
+        for _ in range(3):  # three busy windows
+            await daemon.autoscaler._decide(busy_s=1.0, requests=100, elapsed_s=1.0)
+        asleep = (len(service.backends), daemon.autoscaler.decisions[-1])
+        batcher.restore_engine()
+        await _until(lambda: batcher.engine_state is EngineState.ACTIVE, daemon)
+        for _ in range(2):
+            await daemon.autoscaler._decide(busy_s=1.0, requests=100, elapsed_s=1.0)
+        return {"asleep": asleep, "awake": len(service.backends),
+                "active": [backend.active for backend in service.backends]}
+
+    out = run_foreground(daemon, session=session)
+    instances, decision = out["asleep"]
+    assert instances == 1 and decision.action == "kept", decision
+    assert decision.why == "the engines are released (the board sleeps)"
+    assert out["awake"] == 2 and out["active"] == [True, True]

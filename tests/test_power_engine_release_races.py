@@ -199,6 +199,34 @@ def test_instances_that_join_or_leave_while_the_engines_are_released_are_release
             backend.deactivate()
 
 
+def test_an_instance_that_joins_once_the_engines_are_released_is_released_too(
+        versions: dict[int, Any]) -> None:
+    """The autoscaler made an instance while the board was busy, and the board went to sleep
+    before it joined: it must not hold its engine through the sleep (the memory the release
+    gave back), and the next request restores it with the others."""
+    first = active([GatedActivate(versions[1], OPTIONS)])[0]
+    batcher = Batcher([first], BatchPolicy(max_batch_size=8, max_queue_delay_us=0))
+    joined = GatedActivate(versions[1], OPTIONS)
+
+    async def main() -> None:
+        batcher.start()
+        await released(batcher)
+        batcher.add_backends(active([joined]))
+        await until(lambda: batcher.engine_state is EngineState.RELEASED and not joined.active)
+        assert not first.active
+        answer = await asyncio.wait_for(batcher.submit({"input": images()}), 10)
+        assert answer.version == 1 and first.active and joined.active
+        await batcher.stop()
+
+    try:
+        asyncio.run(main())
+        assert batcher.backends == [first, joined]
+        assert batcher.engine_restores == 1
+    finally:
+        for backend in (first, joined):
+            backend.deactivate()
+
+
 def test_a_daemon_stopped_while_its_engines_are_released_does_not_restore_them(
         installed: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
     """SIGTERM (or any stop) while the board sleeps with the engines released: the stop wakes

@@ -232,7 +232,9 @@ class Batcher:
 
     def add_backends(self, backends: Sequence[Backend]) -> None:
         """Serve with ``backends`` (active, warmed up, of the version serving) too: more
-        instances (the autoscaler's)."""
+        instances (the autoscaler's). Call on the event loop. Joining while the engines are
+        released (the board went to sleep while they were made), they are released too: the
+        next request restores them with the others."""
         for backend in backends:
             if backend.artifacts.version != self.version:
                 raise InternalError(f"an instance of v{backend.artifacts.version} cannot join "
@@ -241,6 +243,14 @@ class Batcher:
         self._max_batch_size = min(self.policy.max_batch_size,
                                    *(instance.backend.max_batch_size
                                      for instance in self._instances))
+        # RELEASING takes them with the others (it goes over the instances serving as it
+        # goes), RESTORING leaves them be (they are active already).
+        if self._engine is EngineState.RELEASED and not self._closed:
+            self._engine = EngineState.RELEASING
+            self._restore_after_release = False
+            self._engine_tried = set()
+            self._engine_task = asyncio.get_running_loop().create_task(
+                self._release(), name="release-engine")
         self._poke()
 
     async def remove_backends(self, count: int, *,
