@@ -49,8 +49,10 @@ class Instance:
     running: int = 0  # batches past staging: running, or next to run
     retired: bool = False
     thread_ids: set[int] = field(default_factory=set)  # of its two worker threads, once started
-    # CPU seconds its run thread spent releasing and restoring the engine (sleep), not serving
+    # CPU seconds its run thread spent releasing and restoring the engine (sleep), and running
+    # the first batch of a restored engine (a session's first run allocates): not serving
     engine_cpu_s: float = 0.0
+    restored: bool = False  # its engine was restored and has run no batch since
 
 
 def stage(backend: Backend, batch: list[Request]

@@ -12,7 +12,8 @@ priority; the old answer goes to the client, the new one is only compared. The v
 - ``slow``: the CPU time a sample costs the new version is over ``max_latency_ratio`` times what
   it costs the old one, and over :data:`MIN_SLOWDOWN_S` more (:meth:`ShadowCanary.cost`: CPU
   time, since the low-priority shadow is preempted while the serving instances are busy), over
-  :data:`MIN_TIMED_BATCHES` shadowed batches at least.
+  :data:`MIN_TIMED_BATCHES` shadowed batches at least; the first batch of an engine restored
+  after a sleep (``release_engine_in_sleep``) is compared but left out of the cost.
 
 With no traffic in ``duration_s`` there is nothing to compare: the verdict passes as
 ``no_traffic`` (the watch window still checks what comes later) unless ``require_traffic``.
@@ -239,6 +240,13 @@ class ShadowCanary:
         self.batches = 0
         self.errors = 0
         self.skipped = 0
+        # Batches shadowed for their answers but left out of the cost: the first after an
+        # engine restore (the old version's run of it is counted with the restore, and the new
+        # version's steady run of it would be compared with that cold one)
+        self.after_restore = 0
+        self.timed_batches = 0
+        self.timed_samples = 0
+        self._new_untimed_s = 0.0  # the new version's CPU time shadowing those
         self.non_finite = False
         # CPU time: the new version's threads (its worker and what it made) against the whole
         # process's less theirs, per sample each served or shadowed (see cost_ratio).
@@ -268,7 +276,8 @@ class ShadowCanary:
         if self._cpu_start is None:
             self._cpu_start = self._cpu_now()
             return  # counting starts with the next batch
-        self.old_samples += tapped.samples
+        if not tapped.after_restore:  # a restored session's first: its cost is the restore's
+            self.old_samples += tapped.samples
         try:
             self._queue.put_nowait(tapped)
         except asyncio.QueueFull:
@@ -307,22 +316,42 @@ class ShadowCanary:
             return
         inputs, old_outputs = stacked
         self.batches += 1
+        untimed_from = self._untimed_cpu_s() if tapped.after_restore else None
         try:
             new_outputs = self.backend.infer(inputs)
         except Exception as exc:  # noqa: BLE001 - the new version's failure is the finding
             self.errors += 1
             log.warning("canary: the new version failed a shadowed batch: %s", exc)
             return
+        finally:
+            if untimed_from is not None:
+                self.after_restore += 1
+                self._new_untimed_s += self._untimed_cpu_s() - untimed_from
         agree, non_finite = samples_agree(old_outputs, new_outputs, batch_axes=axes,
                                           min_cosine=self.policy.min_cosine)
         self.non_finite |= non_finite
         self.samples += int(agree.size)
         self.agreeing += int(agree.sum())
+        if untimed_from is None:
+            self.timed_batches += 1
+            self.timed_samples += int(agree.size)
+
+    def _new_cpu_s(self) -> float:
+        return sum(thread_cpu_s(tid) for tid in self._new_threads)
+
+    def _untimed_cpu_s(self) -> float:
+        """The new version's CPU seconds so far, as the shadow thread reads them around a
+        batch left out of the cost: its own from thread_time(), since a running thread's
+        schedstat lags (the kernel adds its time when it is switched out or at a tick, and a
+        batch of a small model runs for less than that: the time then landed in the cost)."""
+        own = threading.get_native_id()
+        return time.thread_time() + sum(thread_cpu_s(tid) for tid in self._new_threads
+                                        if tid != own)
 
     def _cpu_now(self) -> tuple[float, float]:
         """(CPU seconds of the old version's threads, of the new version's); without the old
         version's threads, the whole process's less the new version's."""
-        new_s = sum(thread_cpu_s(tid) for tid in self._new_threads)
+        new_s = self._new_cpu_s() - self._new_untimed_s
         old = self._old_threads() if self._old_threads is not None else set()
         if old:
             return sum(thread_cpu_s(tid) for tid in old) - self._old_engine_cpu_s, new_s
@@ -337,16 +366,18 @@ class ShadowCanary:
         (the batcher's workers and the backend's pools, ``ModelService.version_threads``) over
         the samples it ran; where the old version's threads are not known, the process's less
         the new version's, which includes the HTTP handling and so errs towards fast (the watch
-        window then judges latency)."""
+        window then judges latency). The first batch after each engine restore (a sleep's,
+        ``release_engine_in_sleep``) is left out on both sides: the old version's run of it is
+        a re-created session's first, slower than its steady ones."""
         start = self._cpu_start
         end = self._cpu_end or self._cpu_now()
-        if start is None or not self.samples or not self.old_samples:
+        if start is None or not self.timed_samples or not self.old_samples:
             return None
         new_s = end[1] - start[1]
         old_s = end[0] - start[0]
         if old_s <= 0:
             return None
-        return old_s / self.old_samples, new_s / self.samples
+        return old_s / self.old_samples, new_s / self.timed_samples
 
     def latency_ratio(self) -> float | None:
         """The new version's CPU time a sample over the old one's (:meth:`cost`)."""
@@ -358,6 +389,7 @@ class ShadowCanary:
             "samples": self.samples,
             "batches": self.batches,
             "skipped_batches": self.skipped,
+            "batches_after_restore": self.after_restore,
             "errors": self.errors,
             "agreement": round(self.agreeing / self.samples, 4) if self.samples else None,
             "cost_ratio": (round(ratio, 3) if (ratio := self.latency_ratio()) is not None
@@ -390,7 +422,7 @@ class ShadowCanary:
         if self.agreeing / self.samples < policy.min_agreement:
             return HealthVerdict(False, "disagreement", figures)
         cost = self.cost()
-        if (cost is not None and self.batches >= MIN_TIMED_BATCHES
+        if (cost is not None and self.timed_batches >= MIN_TIMED_BATCHES
                 and cost[1] > policy.max_latency_ratio * cost[0]
                 and cost[1] - cost[0] > MIN_SLOWDOWN_S):
             return HealthVerdict(False, "slow", figures)
