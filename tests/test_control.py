@@ -551,6 +551,11 @@ class FakeUpdater:
 
     async def rollback(self, args: dict[str, Any], emit: Emit) -> Any:
         emit(StateEvent(state="rolling-back", previous="idle").to_json())
+        if self.outcome == "failed":
+            return UpdateStatus(state="failed", serving=protocol.ModelVersion(
+                name="tiny", version=3), error=UpdateFailure(
+                reason="rollback_failed", message="rolling back failed (the disk is full)")
+            ).to_json()
         return UpdateStatus(state="idle", serving=protocol.ModelVersion(
             name="tiny", version=2)).to_json()
 
@@ -627,6 +632,20 @@ def test_update_status_and_rollback(start_server: Any, tmp_path: Path,
     assert status.state == "downloading" and status.attempts == 2
     assert run_cli("rollback", "--state-dir", str(tmp_path)) == 0
     assert capsys.readouterr().out.splitlines() == ["rolling-back", "rolled back: tiny v2 serves"]
+
+
+def test_a_rollback_that_fails_exits_1_with_the_reason(
+        start_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not 'rolled back' and 0: a script (or an operator at 3 a.m.) must see that the old
+    version was not restored."""
+    start_server(FakeUpdater(outcome="failed").handlers())
+    assert run_cli("rollback", "--state-dir", str(tmp_path)) == 1
+    captured = capsys.readouterr()
+    assert "rolled back" not in captured.out
+    assert ("edge-agent: error: the rollback ended failed: rolling back failed (the disk is "
+            "full) (reason=rollback_failed); tiny v3 serves") in captured.err
+    assert run_cli("rollback", "--json", "--state-dir", str(tmp_path)) == 1
+    assert json.loads(capsys.readouterr().out)["state"] == "failed"
 
 
 def test_update_finds_the_socket_through_the_configuration(

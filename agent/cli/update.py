@@ -11,6 +11,8 @@ They run as the daemon's user or root, on the board. ``apply`` shows the update'
 state change on its own line; the download's percentage in place on a terminal) and exits 0 once
 the new version is committed, 1 with the reason when the update fails or is refused.
 Interrupting it does not stop the update: the daemon goes on, and ``update status`` follows it.
+``rollback`` exits 0 once the version before is back (or the update in progress cancelled), 1
+with the reason when it is refused or the revert fails.
 """
 
 from __future__ import annotations
@@ -178,11 +180,14 @@ def run_rollback(args: argparse.Namespace) -> int:
     if result is None:
         return 1
     status = UpdateStatus.from_json(result)
+    failed = status.state == "failed"  # the revert itself failed: the version did not change
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
+    elif failed:
+        _say_failed(status, what="rollback")
     else:
         print(f"rolled back: {_serving(status)} serves")
-    return 0
+    return 1 if failed else 0
 
 
 def _call(args: argparse.Namespace, client: ControlClient, command: str,
@@ -199,10 +204,10 @@ def _call(args: argparse.Namespace, client: ControlClient, command: str,
         return None
 
 
-def _say_failed(status: UpdateStatus) -> None:
+def _say_failed(status: UpdateStatus, *, what: str = "update") -> None:
     error = status.error
     why = f"{_shown(error.message)} (reason={_shown(error.reason)})" if error else "no reason given"
-    print(f"edge-agent: error: the update ended {status.state}: {why}; {_serving(status)} "
+    print(f"edge-agent: error: the {what} ended {status.state}: {why}; {_serving(status)} "
           "serves", file=sys.stderr)
 
 
