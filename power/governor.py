@@ -10,7 +10,9 @@ How a point is chosen:
 * **Prediction.** :class:`~power.latency_model.LatencyModel` predicts a batch's compute time at
   every candidate point (one table per EMC point). The P99 estimate is that time times a margin,
   the recent high quantile of observed/predicted (heavy-tailed and clustered: never a Gaussian
-  sigma), plus the queueing delay the arrival rate implies at that point's capacity.
+  sigma), plus the queueing delay the arrival rate implies at that point's capacity. From a
+  point's 50th answer, its own quantile of latency over predicted compute replaces the pooled
+  one (:meth:`Governor._point_multiplier`).
 * **Cost.** Candidates are ranked by an energy rate: the point's idle draw plus its busy extra
   times the share of time it would be busy at the current arrival rate (a generic CMOS shape,
   ``f * V(f)^2``; only the ranking matters). A power cap excludes points whose estimated draw,
@@ -56,6 +58,9 @@ MAX_UTILISATION = 0.80  # never plan a point busier than this at the current arr
 PREDICTION_REFRESH_S = 0.5  # re-predict every candidate at most this often
 TOTAL_QUANTILE = 0.99  # of observed latency / predicted compute, per utilisation bucket
 UTILISATION_BUCKETS = 8
+POINT_RATIO_LEAST = 50  # answers at a point before its own latency / compute quantile stands for
+# it (over the utilisation buckets, which pool every point's burst starts)
+POINT_RATIO_KEEP = 300  # ... of its latest answers
 DOWN_CHECK_S = 0.25  # look for a cheaper point at most this often
 DOWN_RATE_FACTOR = 1.1
 DOWN_RATE_FALL = 0.9  # moving down needs the load to have fallen this far since the last move up
@@ -304,6 +309,11 @@ class Governor:
         self._held: deque[float] = deque(maxlen=200)  # totals at the point in force, since it was
         self.misses = 0
         self.current: PointKey | None = None
+        # Observed latency / predicted compute per point answered at, and its cached quantile
+        # (the point's own evidence, once it has POINT_RATIO_LEAST answers).
+        self._point_ratios: dict[PointKey, deque[float]] = {}
+        self._point_quantiles: dict[PointKey, float] = {}
+        self._points_dirty: set[PointKey] = set()
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -344,6 +354,11 @@ class Governor:
             if single is not None:
                 busy = self._busy(single, self._rate.slow_hz)
                 self._ratios.add(busy, completion.total_s / single)
+                own = self._point_ratios.get(key)
+                if own is None:
+                    own = self._point_ratios[key] = deque(maxlen=POINT_RATIO_KEEP)
+                own.append(completion.total_s / single)
+                self._points_dirty.add(key)
             model.observe(key, completion.compute_s, completion.batch_size)
 
     def observe_power(self, key: PointKey, measured_mw: float, busy_share: float) -> None:
@@ -377,6 +392,13 @@ class Governor:
             self._predicted_version = model.version
             self._predicted_at_s = now_s
             self._ratios.refresh(TOTAL_QUANTILE)
+            for key in self._points_dirty:
+                ratios = self._point_ratios[key]
+                if len(ratios) >= POINT_RATIO_LEAST:
+                    ordered = sorted(ratios)
+                    self._point_quantiles[key] = ordered[
+                        min(len(ordered) - 1, int(TOTAL_QUANTILE * len(ordered)))]
+            self._points_dirty.clear()
         return self._predicted
 
     def _busy(self, single_s: float, rate_hz: float) -> float:
@@ -405,6 +427,24 @@ class Governor:
                            / (batch_factor * (margin + at + 1.5 * at / (1.0 - at))))
         return analytic
 
+    def _point_multiplier(self, key: PointKey, busy: float, margin: float) -> float:
+        """P99 latency over the single-request compute time at ``key`` this busy: the point's
+        own observed quantile where it has answered :data:`POINT_RATIO_LEAST` requests (what
+        its answers said, not the pooled buckets, which carry every point's burst starts), not
+        scaled with the load and never under the compute margin; else the buckets'. Over
+        :data:`MAX_UTILISATION` busy: never."""
+        pooled = self._multiplier(busy, margin)
+        own = self._point_quantiles.get(key)
+        if own is None or not math.isfinite(pooled):
+            return pooled
+        return max(margin, own)
+
+    def point_ratio_evidence(self, key: PointKey) -> tuple[int, float | None]:
+        """How many answers at ``key`` its own quantile rests on, and that quantile (``None``
+        while under :data:`POINT_RATIO_LEAST`, or not refreshed yet)."""
+        ratios = self._point_ratios.get(key)
+        return (0 if ratios is None else len(ratios)), self._point_quantiles.get(key)
+
     @staticmethod
     def _shape(busy: float) -> float:
         """How queueing grows with the busy share (M/D/1-like, plus the batch in progress)."""
@@ -415,7 +455,7 @@ class Governor:
         if single is None:
             return None
         rate = self._rate.planning_hz if rate_hz is None else rate_hz
-        return single * self._multiplier(self._busy(single, rate), self.margin())
+        return single * self._point_multiplier(key, self._busy(single, rate), self.margin())
 
     def margin(self) -> float:
         return max(MIN_MARGIN, self.model.tail_ratio(TAIL_QUANTILE))
@@ -504,7 +544,7 @@ class Governor:
                                       or candidate.key.cpu_khz < above.cpu_khz
                                       or candidate.key.emc_hz < above.emc_hz):
                 continue
-            p99 = single * self._multiplier(busy, margin)
+            p99 = single * self._point_multiplier(candidate.key, busy, margin)
             if anchor:
                 # What was observed where the governor is, carried to the candidate by the
                 # compute and queueing ratios, overrides the buckets (which keep the transients

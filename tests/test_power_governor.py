@@ -13,6 +13,7 @@ from power.governor import (
     DOWN_AFTER_UP_S,
     DOWN_HOLD_S,
     EXPLORE_AFTER_UP_S,
+    POINT_RATIO_LEAST,
     Governor,
     changed_domains,
     cpu_levels,
@@ -132,7 +133,52 @@ def test_the_margin_is_the_observed_quantile_as_soon_as_enough_ratios_are_known(
     assert model.tail_ratio(0.995) < 1.05  # the ratios' own quantile, at the TAIL_LEAST-th
 
 
+def test_a_point_answered_often_enough_is_estimated_on_its_own_tail_not_the_pooled_one() -> None:
+    # The pooled buckets hold every point's answers: here one point's (its answers waited
+    # 4x their compute); a point with POINT_RATIO_LEAST answers of its own (1.5x) is
+    # estimated on those, a point with fewer and one never answered at on the pooled 4x.
+    governor = Governor(ORIN_NANO_TABLE, PowerPolicy(latency_target_s=TARGET_S))
+    emc = governor.top.emc_hz
+    levels = cpu_levels(ORIN_NANO_TABLE.cpu_khz)
+    slow = PointKey(gpu_hz=714000000, cpu_khz=levels[-3], emc_hz=emc)
+    own = PointKey(gpu_hz=612000000, cpu_khz=levels[-2], emc_hz=emc)
+    few = PointKey(gpu_hz=510000000, cpu_khz=levels[-2], emc_hz=emc)
+    never = PointKey(gpu_hz=408000000, cpu_khz=levels[-2], emc_hz=emc)
+    now, arrivals = 0.0, 0
+
+    def answer(key: PointKey, count: int, compute_s: float, wait: float) -> None:
+        nonlocal now, arrivals
+        for _ in range(count):
+            now += 0.05
+            arrivals += 1
+            load = LoadSample(time_s=now, queue_depth=0, busy_instances=0, instances=1,
+                              arrivals_total=arrivals, completed_total=arrivals)
+            done = Completion(time_s=now, total_s=compute_s * wait, compute_s=compute_s)
+            governor.observe(load, [done], lambda _completion: key)
+
+    answer(own, POINT_RATIO_LEAST + 300, 0.011, 1.5)  # the first ones, while learned, fall out
+    answer(few, POINT_RATIO_LEAST - 1, 0.013, 1.5)
+    answer(slow, 300, 0.009, 4.0)  # last: the pooled buckets' 300 latest are all 4x
+    governor.point_for_rate(now, 20.0)  # refreshes the estimates
+
+    def multiplier(key: PointKey) -> float:
+        p99, single = governor.predict_p99_s(key, rate_hz=20.0), governor.model.predict_s(key)
+        assert p99 is not None and single is not None
+        return p99 / single
+
+    count, quantile = governor.point_ratio_evidence(own)
+    assert count == 300 and quantile is not None and 1.5 <= quantile < 2.0
+    # Its own quantile, or the compute margin where that is higher (never under it).
+    assert multiplier(own) == pytest.approx(max(quantile, governor.margin()))
+    assert multiplier(own) < 2.0
+    assert governor.point_ratio_evidence(few) == (POINT_RATIO_LEAST - 1, None)
+    assert multiplier(few) > 3.0 and multiplier(never) > 3.0  # the pooled 4x
+    assert multiplier(slow) > 3.0
+
+
+
 # -- convergence and oscillation -----------------------------------------------------------
+
 
 def test_a_step_load_converges_without_oscillating() -> None:
     clock = FakeClock()
