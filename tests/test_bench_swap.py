@@ -56,6 +56,10 @@ def test_bench_swap_runs_every_phase_and_writes_its_figures(tmp_path: Path,
     assert summary["p99_swap_over_quiet"] == pytest.approx(
         summary["phases"]["during_swaps"]["p99_ms"] / summary["phases"]["quiet_gaps"]["p99_ms"])
     assert "over the quiet gaps" in printed
+    tail = summary["tail_by_swap"]
+    assert tail["requests"] == sum(entry["requests"] for entry in tail["swaps"]) > 0
+    assert {entry["swap"] for entry in tail["swaps"]} <= {1, 2}
+    assert "slowest 1 % during swaps" in printed
     # The disagreeing version never answered; the NaN-after-commit one did, and was rolled
     # back by the watch window to the version before it.
     canary = summary["canary_reject"]
@@ -115,3 +119,28 @@ def test_the_states_of_a_swap_come_from_the_journals_history_on_the_benchs_clock
     assert found["canary"]["requests"] == 1 and found["committed"]["requests"] == 0
     assert found["verifying"]["p99_ms"] == pytest.approx(20.0, rel=1e-6)
     assert found["verifying"]["p99_over_steady"] == pytest.approx(4.0, rel=1e-6)
+
+
+def test_the_tail_by_swap_names_the_swaps_holding_the_slowest_requests_and_their_gaps() -> None:
+    from agent.tooling.swapbench.bench import _tail_by_swap, _tail_line
+    from agent.tooling.swapbench.load import Record
+
+    def requests(start: float, end: float, latency: float, count: int) -> list[Record]:
+        step = (end - start - latency) / count
+        return [Record(start + i * step, start + i * step + latency, 1, "ok", False)
+                for i in range(count)]
+
+    swaps = [(10.0, 10.1), (20.0, 20.1), (30.0, 30.1)]
+    gaps = [(9.4, 9.9), (19.4, 19.9), (29.4, 29.9)]
+    # Swaps 1 and 3 are as fast as their gaps; swap 2's requests are slow, and so was its gap.
+    during = (requests(10.0, 10.1, 0.001, 100) + requests(20.0, 20.1, 0.005, 100)
+              + requests(30.0, 30.1, 0.001, 100))
+    quiet = (requests(9.4, 9.9, 0.001, 200) + requests(19.4, 19.9, 0.004, 200)
+             + requests(29.4, 29.9, 0.001, 200))
+    tail = _tail_by_swap(during, quiet, swaps, gaps, quiet_p99_ms=2.0)
+    assert [entry["swap"] for entry in tail["swaps"]] == [2]
+    assert tail["requests"] == tail["swaps"][0]["requests"] >= 3
+    assert tail["swaps"][0]["gap_p99_ms"] == pytest.approx(4.0)
+    assert tail["swaps"][0]["gap_p99_over_quiet"] == pytest.approx(2.0)
+    assert "swap 2:" in _tail_line(tail) and "2.00x" in _tail_line(tail)
+    assert _tail_by_swap([], quiet, swaps, gaps, 2.0) == {"requests": 0, "swaps": []}

@@ -21,7 +21,9 @@ URL, waiting for the outcome), exactly as ``edge-agent update apply`` sends them
    ``quiet_gaps`` phase: load alone, like the steady phase, but in the swaps' own minutes, so
    a shared machine's drifting speed weighs on both sides alike). ``swap_states`` splits
    those requests by the updater state they overlapped (from the journal's history): where in
-   a swap the excess comes from.
+   a swap the excess comes from. ``tail_by_swap`` (not a target) names the swaps that hold the
+   slowest 1 % of the overlapping requests, each with its own gap's P99 over all the gaps': a
+   tail from a few swaps whose gaps were slow too is the machine's, not the swap's.
 4. **Misbehaving versions**: first one that disagrees with the serving version (its classifier
    negated), which the canary must refuse before it answers anyone (``canary_reject``). Then the
    stricter case: a version that answers like the serving one on the positive frames the load
@@ -549,6 +551,31 @@ def _rollback(records: Sequence[Record], found: dict[str, Any]) -> dict[str, Any
     return watch
 
 
+def _tail_by_swap(during: Sequence[Record], quiet: Sequence[Record],
+                  swaps: Sequence[tuple[float, float]], gaps: Sequence[tuple[float, float]],
+                  quiet_p99_ms: float | None) -> dict[str, Any]:
+    """Which swaps the slowest 1 % of the requests that overlapped a swap came from, and how
+    slow each one's own gap (the load alone just before it) was against all the gaps: where the
+    tail comes from a few swaps whose gaps were slow as well, the machine was slow then, not the
+    swap. Not a target. ``during``: the requests that overlapped a swap; ``quiet``: those
+    within a gap."""
+    overlapping = [(record.latency_s, index) for index, interval in enumerate(swaps)
+                   for record in during
+                   if not record.failed and _overlaps(record, (interval,))]
+    if not overlapping:
+        return {"requests": 0, "swaps": []}
+    (p99_s,) = loadgen.percentiles([latency for latency, _ in overlapping], (99,))
+    held = collections.Counter(index for latency, index in overlapping if latency >= p99_s)
+    found = []
+    for index, count in held.most_common():
+        gap = (_latency_figures([record for record in quiet
+                                 if _within(record, gaps[index])]).get("p99_ms")
+               if index < len(gaps) else None)
+        found.append({"swap": index + 1, "requests": count, "gap_p99_ms": gap,
+                      "gap_p99_over_quiet": _ratio(gap, quiet_p99_ms)})
+    return {"requests": sum(held.values()), "swaps": found}
+
+
 def summarize(options: SwapBenchOptions, found: dict[str, Any], timeline: _Timeline,
               records: Sequence[Record]) -> dict[str, Any]:
     swaps = timeline.swaps or []
@@ -598,6 +625,8 @@ def summarize(options: SwapBenchOptions, found: dict[str, Any], timeline: _Timel
         "load_rps": found["load_rps"],
         "phases": phases,
         "swap_states": by_state,
+        "tail_by_swap": _tail_by_swap(during, quiet, swaps, timeline.quiet,
+                                      phases["quiet_gaps"].get("p99_ms")),
         "swap_seconds": {"median": statistics.median(durations) if durations else None,
                          "max": max(durations, default=None), "all": durations},
         "canary_reject": canary,
@@ -630,6 +659,22 @@ def _targets(summary: dict[str, Any]) -> dict[str, bool | None]:
         and canary["answers_by_refused_version"] == 0,
         "watch_rolled_back": watch["serving_after"] == watch["previous_version"],
     }
+
+
+def _tail_line(tail: dict[str, Any]) -> str:
+    """One line for ``tail_by_swap``: the swaps holding the slowest 1 % of the overlapping
+    requests, each with its gap's P99 over that of all the gaps."""
+    if not tail.get("swaps"):
+        return "slowest 1 % during swaps: none"
+    parts = []
+    for entry in tail["swaps"][:5]:
+        gap = entry.get("gap_p99_over_quiet")
+        parts.append(f"swap {entry['swap']}: {entry['requests']}"
+                     + (f" (its gap {gap:.2f}x the gaps' P99)" if gap is not None else ""))
+    more = len(tail["swaps"]) - 5
+    return (f"slowest 1 % during swaps ({tail['requests']} requests) from "
+            f"{len(tail['swaps'])} swap(s): " + ", ".join(parts)
+            + (f", {more} more" if more > 0 else ""))
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -678,6 +723,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"P99 during swaps / steady {ratio(summary['p99_swap_over_steady']).strip()} "
         f"(target <= 1.5: {verdict('p99_swap_over_steady')}); over the quiet gaps between "
         f"them {ratio(summary['p99_swap_over_quiet']).strip()} (not a target)",
+        _tail_line(summary.get("tail_by_swap") or {}),
         f"canary: disagreeing v{canary['version']} {canary['state']} ({canary['reason']}) in "
         f"{canary['seconds']:.2f} s, {canary['answers_by_refused_version']} answers by it",
         f"watch: NaN-after-commit v{watch['version']} rolled back to v{watch['serving_after']} "
