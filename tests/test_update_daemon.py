@@ -318,6 +318,32 @@ def test_a_downgrade_is_refused_and_a_rollback_returns_to_the_previous_version(
     assert out["clients"].versions[-1] == "1"
 
 
+def test_a_rollback_with_no_version_before_is_refused_and_nothing_is_counted_failed(
+        setup: dict[str, Any]) -> None:
+    """Only v1 is installed: 'update rollback' is refused up front with its reason, and the
+    updater stays idle (it used to start a rollback that ended failed/rollback_failed, counted
+    among the update failures and shown as the last error, for a request that had nothing to
+    do)."""
+    daemon = _daemon(setup)
+
+    async def session(port: int) -> dict[str, Any]:
+        try:
+            await _in_thread(_call, daemon, UPDATE_ROLLBACK)
+        except CommandError as exc:
+            refused: Any = exc
+        else:
+            refused = None
+        status = await _in_thread(_call, daemon, UPDATE_STATUS)
+        assert daemon.updater is not None
+        return {"refused": refused, "status": status, "updater": daemon.updater.status()}
+
+    out = run_foreground(daemon, session=session)
+    assert out["refused"] is not None and out["refused"].reason == "nothing_to_roll_back"
+    assert out["status"]["state"] == "idle" and out["status"]["error"] is None, out["status"]
+    assert out["status"]["serving"]["version"] == 1
+    assert out["updater"]["counters"]["failures_by_reason"] == {}
+
+
 def test_files_that_cannot_be_removed_do_not_turn_a_refusal_into_a_failed_rollback(
         setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

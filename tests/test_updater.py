@@ -168,6 +168,8 @@ def test_every_transition_of_the_table_is_taken(tmp_path: Path) -> None:
         await attempt(2, warm="fail")
         await attempt(2, canary="unhealthy")
         await attempt(2, watch="unhealthy")  # committed -> rolling-back
+        await attempt(2)  # v2 serves, v1 before it
+        await attempt(3, download="fail")
         await updater.rollback()  # failed -> rolling-back -> idle
         await settle(updater)
         await attempt(2)  # idle -> ... -> committed -> idle
@@ -608,6 +610,9 @@ def test_an_operator_rollback_in_the_watch_window_reverts_the_commit(tmp_path: P
 
 
 def test_a_rollback_with_nothing_serving_or_no_previous_version_says_why(tmp_path: Path) -> None:
+    """Both refused up front, the updater left as it was: a rollback with no version before
+    the one serving used to run and end failed/rollback_failed, a failure counted for a
+    request that had nothing to do."""
     updater, steps = make(tmp_path, serving=None)
 
     async def scenario() -> None:
@@ -616,13 +621,14 @@ def test_a_rollback_with_nothing_serving_or_no_previous_version_says_why(tmp_pat
             await updater.rollback()
         assert caught.value.reason == "nothing_to_roll_back"
         steps.set_serving(v(1))  # serving, but nothing before it
-        await updater.rollback()
-        outcome = await settle(updater)
-        assert (outcome.result, outcome.reason) == ("failed", "rollback_failed")
-        assert outcome.detail is not None and "no_previous" in outcome.detail
+        with pytest.raises(UpdateError) as caught:
+            await updater.rollback()
+        assert caught.value.reason == "nothing_to_roll_back"
+        assert "serving" in caught.value.fields
 
     run(scenario)
-    assert updater.state is S.FAILED and steps.serving_now() == v(1)
+    assert updater.state is S.IDLE and steps.serving_now() == v(1)
+    assert "revert" not in [name for name, _ in steps.calls]
 
 
 # -- recovery at start ------------------------------------------------------------------------

@@ -433,6 +433,11 @@ class DaemonSteps:
         except StoreError as exc:
             log.warning("could not delete old model versions: %s", exc)
 
+    async def previous(self) -> BundleId | None:
+        found = await asyncio.get_running_loop().run_in_executor(
+            self._files.executor, self.daemon.store.previous)
+        return None if found is None else BundleId(name=found.name, version=found.version)
+
     async def revert(self, job: UpdateJob) -> None:
         await self.discard(job)
         bundle = _require_bundle(job)

@@ -291,6 +291,10 @@ class UpdateSteps(Protocol):
         """Make the version before ``job.bundle`` current again (the store's rollback), swap
         serving back to it and let ``job.bundle``'s instances drain. Idempotent."""
 
+    async def previous(self) -> BundleId | None:
+        """The version a revert of the one serving returns to (name and version), None when
+        there is none. Raises when it cannot tell (the revert then says why)."""
+
 
 class _Stop(Exception):
     """Ends the forward path of an update: ``kind`` is ``failure``, ``cancel`` (a newer
@@ -474,8 +478,8 @@ class Updater:
         before it. Returns once the rollback is done, or under way for a revert.
 
         Raises:
-            UpdateError: ``nothing_to_roll_back``: no version serves; ``not_ready``: as for
-                :meth:`request`.
+            UpdateError: ``nothing_to_roll_back``: no version serves, or none was installed
+                before it; ``not_ready``: as for :meth:`request`.
         """
         lock = self._require_recovered()
         self._sequence += 1
@@ -498,12 +502,26 @@ class Updater:
             if serving is None:
                 raise UpdateError("no version serves, so there is nothing to roll back",
                                   reason="nothing_to_roll_back")
+            if not await self._has_previous():
+                # Refused, not started: a rollback run would fail rollback_failed, counted
+                # among the failures, for a request that has nothing to do.
+                raise UpdateError("there is no version before the one serving to roll back to",
+                                  reason="nothing_to_roll_back", serving=str(serving))
             record = UpdateRecord(update_id=uuid.uuid4().hex, kind="rollback", source="",
                                   expected=BundleId(), bundle=serving, attempt=1,
                                   requested_at=utc_now(), committed=True)
             self._start(record, UpdateState.ROLLING_BACK)
             return RequestAnswer(result="rolling_back", update_id=record.update_id,
                                  detail=f"reverting {serving} to the version before it")
+
+    async def _has_previous(self) -> bool:
+        """Whether a revert has a version to return to; True when the steps cannot tell (a
+        store that cannot be read): the rollback then runs and its failure says why."""
+        try:
+            return await self.steps.previous() is not None
+        except AgentError as exc:
+            log.warning("cannot tell the version before the one serving: %s", exc)
+            return True
 
     def status(self) -> dict[str, Any]:
         """The updater's state for the control channel and the fleet: JSON-able."""

@@ -157,6 +157,10 @@ class FakeSteps:
         if version is not None and (serving is None or serving.version != version):
             (self.root / "installed" / str(version)).unlink(missing_ok=True)
 
+    async def previous(self) -> BundleId | None:
+        previous = self.pointer()["previous"]
+        return None if previous is None else BundleId(**previous)
+
     async def revert(self, job: UpdateJob) -> None:
         await self._act("revert", job)
         pointer = self.pointer()

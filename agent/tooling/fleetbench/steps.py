@@ -287,6 +287,10 @@ class BenchSteps:
         except StoreError as exc:
             log.warning("could not delete old model versions: %s", exc)
 
+    async def previous(self) -> BundleId | None:
+        found = await self._in_pool(self.store.previous)
+        return None if found is None else BundleId(name=found.name, version=found.version)
+
     async def revert(self, job: UpdateJob) -> None:
         await self.discard(job)
         bundle = job.bundle
