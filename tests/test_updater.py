@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -495,6 +496,41 @@ def test_a_duplicate_request_is_answered_in_progress(tmp_path: Path) -> None:
 
     run(scenario)
     assert steps.called("download") == 2
+
+
+
+def test_a_request_while_the_outcome_is_being_written_is_not_a_duplicate(tmp_path: Path) -> None:
+    """The committed outcome is in the status before its journal write ends: a request for the
+    same bundle then waits for that write and is answered as for a finished update (CI found a
+    real daemon answering it in_progress with the state idle)."""
+    updater, steps = make(tmp_path)
+    release = threading.Event()
+    writing = threading.Event()
+    write = updater.journal.write_encoded
+
+    def slow_final_write(text: str) -> None:
+        if '"result": "committed"' in text.replace('":"', '": "'):
+            writing.set()
+            release.wait(5)
+        write(text)
+
+    updater.journal.write_encoded = slow_final_write  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        await updater.recover()
+        await updater.request(want(2))
+        while not writing.is_set():
+            await asyncio.sleep(0.005)
+        assert updater.status()["state"] == "idle"
+        asyncio.get_running_loop().call_later(0.1, release.set)
+        again = await updater.request(want(2))
+        assert again.result == "already_current", again
+        rolled = await updater.rollback()
+        assert rolled.result == "rolling_back" and rolled.update_id != again.update_id
+        await settle(updater)
+
+    run(scenario)
+    assert steps.serving_now() == v(1)
 
 
 # -- the attempts budget ----------------------------------------------------------------------

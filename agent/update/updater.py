@@ -314,6 +314,7 @@ class _Run:
     interrupt_reason: str = "superseded"
     interrupt_detail: str = ""
     task: asyncio.Task[None] | None = None
+    ended: bool = False  # its outcome is set: only the journal write of it is left
 
 
 @dataclass
@@ -446,7 +447,7 @@ class Updater:
             expected = request.expected
             self._forget_older(expected)
             self._check_budget(expected)
-            run = self._run
+            run = await self._current_run()
             if run is not None and self._is_duplicate(run, request):
                 return RequestAnswer(result="in_progress", update_id=run.job.update_id,
                                      detail=f"this bundle is being applied ({self.state.value})")
@@ -488,7 +489,7 @@ class Updater:
             if sequence != self._sequence:
                 return RequestAnswer(result="superseded", update_id=None,
                                      detail="a newer request came before this rollback started")
-            run = self._run
+            run = await self._current_run()
             if run is not None:
                 if self.state is UpdateState.ROLLING_BACK:
                     return RequestAnswer(result="rolling_back", update_id=run.job.update_id,
@@ -513,6 +514,16 @@ class Updater:
             self._start(record, UpdateState.ROLLING_BACK)
             return RequestAnswer(result="rolling_back", update_id=record.update_id,
                                  detail=f"reverting {serving} to the version before it")
+
+    async def _current_run(self) -> _Run | None:
+        """The run in progress, None once it has ended. A run whose outcome is set (its state
+        resting in the status) may still be writing it: that write is waited for, so a
+        request right after an outcome is not taken for a duplicate of the finished update."""
+        run = self._run
+        while run is not None and run.ended and run.task is not None:
+            await asyncio.wait({run.task})
+            run = self._run
+        return run
 
     async def _has_previous(self) -> bool:
         """Whether a revert has a version to return to; True when the steps cannot tell (a
@@ -927,6 +938,7 @@ class Updater:
                    reason: str | None, state: UpdateState, detail: str | None) -> None:
         """End the update in a resting state with its outcome (``state``: where it failed, was
         cancelled or finished), journalled in one write."""
+        run.ended = True
         outcome = self._outcome(run, result, reason, state, detail)
         if result == "failed" and reason is not None:
             self._count_reason(reason)
