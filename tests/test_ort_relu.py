@@ -148,6 +148,49 @@ def test_float_models_and_already_folded_ones_do_not_change() -> None:
     assert fold_relu_into_quantize(helper.make_model(graph)) == 0
 
 
+def test_a_float_model_is_not_parsed_for_the_rewrite(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model without QuantizeLinear is handed to ONNX Runtime as it is, never parsed by onnx
+    (a full parse of a large model holds the GIL during an update); an INT8 one still is."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["input"], ["out"])], "f",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 3])])
+    float_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    float_model.ir_version = 8
+    path = tmp_path / "float.onnx"
+    path.write_bytes(float_model.SerializeToString())
+    parsed: list[str] = []
+    load, load_from_string = onnx.load, onnx.load_from_string
+    monkeypatch.setattr(onnx, "load", lambda *a, **k: parsed.append("file") or load(*a, **k))
+    monkeypatch.setattr(onnx, "load_from_string",
+                        lambda *a, **k: parsed.append("bytes") or load_from_string(*a, **k))
+    data = np.array([[-1.0, 0.0, 2.0]], dtype=np.float32)
+    for source in (path, str(path), float_model.SerializeToString()):
+        out = create_session(source, threads=1).run(None, {"input": data})[0]
+        np.testing.assert_array_equal(out, [[0.0, 0.0, 2.0]])
+    assert parsed == []
+    create_session(conv_relu_model().SerializeToString(), threads=1)
+    assert parsed == ["bytes"]
+    (tmp_path / "int8.onnx").write_bytes(conv_relu_model().SerializeToString())
+    create_session(tmp_path / "int8.onnx", threads=1)
+    assert parsed == ["bytes", "file"]
+
+
+@pytest.mark.parametrize("at", [0, (1 << 20) - 7, (1 << 20) - 14, 1 << 20, 3 << 20])
+def test_the_quantize_scan_finds_the_op_across_its_pieces(tmp_path: Path, at: int) -> None:
+    from models.ort import _may_quantize
+
+    data = bytearray(b"x" * ((3 << 20) + 100))
+    data[at:at + 14] = b"QuantizeLinear"
+    (tmp_path / "m.onnx").write_bytes(data)
+    assert _may_quantize(bytes(data)) and _may_quantize(tmp_path / "m.onnx")
+    data[at:at + 14] = b"DequantizeLine"  # a lower-case q, as in DequantizeLinear, is not the op
+    (tmp_path / "m.onnx").write_bytes(data)
+    assert not _may_quantize(bytes(data)) and not _may_quantize(str(tmp_path / "m.onnx"))
+    assert _may_quantize(tmp_path / "missing.onnx")  # the parse after reports it
+
+
 def test_create_session_folds_by_default_and_can_be_told_not_to() -> None:
     model = conv_relu_model().SerializeToString()
     data = np.random.default_rng(2).normal(size=(2, 3, 8, 8)).astype(np.float32)
