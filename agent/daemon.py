@@ -31,6 +31,7 @@ from agent import runtime
 from agent.autoscale import Autoscaler
 from agent.api.server import InferenceServer
 from agent.backends import ModelArtifacts
+from agent.backends.base import Backend
 from agent.config import AgentConfig
 from agent.control import protocol
 from agent.control.server import ControlServer, Emit
@@ -46,6 +47,7 @@ from agent.metrics import ServingMetrics, TaskMetrics, UpdateMetrics
 from agent.serving import ModelService
 from agent.store import ModelStore
 from agent.supervisor import Supervisor, TaskFactory, TaskState, TaskStatus
+from agent.update import canary
 from agent.update.canary import CanaryPolicy
 from agent.update.download import DownloadPolicy
 from agent.update.service import attach_updater
@@ -223,10 +225,16 @@ class Daemon:
         self.store.open()
         artifacts = self._verified(candidate)
         policy = runtime.batch_policy(self.config, artifacts)
+
+        def start_backends() -> list[Backend]:
+            # Before serving, and off the loop: left to the first update, the canary's verdict
+            # did numpy's first-time work on the loop while requests waited.
+            canary.warm_up()
+            return runtime.start_backends(self.config, artifacts, policy,
+                                          self._stop_requested.is_set)
+
         before = thread_ids()
-        backends = await asyncio.get_running_loop().run_in_executor(
-            None, runtime.start_backends, self.config, artifacts, policy,
-            self._stop_requested.is_set)
+        backends = await asyncio.get_running_loop().run_in_executor(None, start_backends)
         metrics = ServingMetrics(artifacts.name)
         service = ModelService(artifacts.name, artifacts.version, backends, policy,
                                metrics=metrics)
