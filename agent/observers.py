@@ -35,6 +35,9 @@ class RequestDone:
     compute_input_s: float = 0.0  # copying its batch's inputs into the instance's buffers
     compute_s: float = 0.0  # its batch on the backend
     compute_output_s: float = 0.0  # cutting its rows out of the batch's outputs
+    # It waited for the board to wake (the wake hook, a sleep's engine restore) or ran in a
+    # restored engine's first batch: its latency is the wake's as much as its version's
+    after_wake: bool = False
 
 
 @dataclass(frozen=True, slots=True)

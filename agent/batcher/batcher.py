@@ -9,6 +9,7 @@ import contextlib
 import enum
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -127,6 +128,9 @@ class Batcher:
         self.engine_releases = 0  # releases done
         self.engine_restores = 0  # restores done
         self.last_restore_s: float | None = None  # how long the last restore took
+        # The last time dispatch was held for a wake or a restore with requests queued: a
+        # request that arrived by then and is dispatched later waited for it
+        self._held_at = -math.inf
 
     def _wrap(self, backend: Backend) -> Instance:
         index = next(_instance_numbers)
@@ -569,11 +573,13 @@ class Batcher:
             if self._engine is not EngineState.ACTIVE:
                 # Released in sleep: bring the engines back (beside the wake hook's boost);
                 # the restore's end pokes the scheduler.
+                self._held_at = now
                 self.restore_engine()
                 if self._wake_armed:
                     self._start_wake()
                 return self._until_next_deadline(None, now)
             if self._wake_armed:
+                self._held_at = now
                 self._start_wake()  # its end pokes the scheduler
                 return self._until_next_deadline(None, now)
             candidates = self._candidates()
@@ -727,6 +733,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         for request in batch:  # staged behind a running batch, a request may pass its deadline
             request.version = instance.version
+            request.after_wake = request.arrival <= self._held_at
             if request.deadline is not None:
                 request.timer = loop.call_later(max(0.0, request.deadline - time.monotonic()),
                                                 self._timed_out_while_staged, request)
@@ -739,6 +746,9 @@ class Batcher:
         staged = None
         counted = False
         after_restore, instance.restored = instance.restored, False
+        if after_restore:  # a restored session's first run is slower than its steady ones
+            for request in batch:
+                request.after_wake = True
         try:
             staged, failed, stage_s = await loop.run_in_executor(instance.stage_pool, stage,
                                                                  instance.backend, batch)
@@ -822,9 +832,11 @@ class Batcher:
             total_s = time.monotonic() - request.arrival
             version = request.version if request.version is not None else self.version
             self._observer.request_done(
-                RequestDone(outcome, version, total_s, total_s) if result is None else
+                RequestDone(outcome, version, total_s, total_s, after_wake=request.after_wake)
+                if result is None else
                 RequestDone(outcome, version, total_s, result.queue_s, result.compute_input_s,
-                            result.compute_s, result.compute_output_s))
+                            result.compute_s, result.compute_output_s,
+                            after_wake=request.after_wake))
 
     def _report_depth(self) -> None:
         if self._observer is not None:

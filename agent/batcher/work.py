@@ -34,6 +34,7 @@ class Request:
     started: bool = False  # its batch began to run (set by the run thread)
     timer: asyncio.TimerHandle | None = None  # answers a deadline passed while it is staged
     version: int | None = None  # of the instance its batch went to
+    after_wake: bool = False  # it waited for a wake or restore (RequestDone.after_wake)
 
 
 @dataclass(eq=False)

@@ -20,7 +20,10 @@ With no traffic in ``duration_s`` there is nothing to compare: the verdict passe
 
 **Watch window** (:class:`HealthWatch`): after commit, the served version's answers are checked
 against the old version's figures from the canary: its failure share, NaN or Inf in its outputs,
-and its 95th-percentile latency against the old one's. A regression there rolls back.
+and its 95th-percentile latency against the old one's. A regression there rolls back. A request
+that waited for the board's wake (the power governor's wake hook, a sleep's engine restore with
+``release_engine_in_sleep``) or ran in a restored engine's first batch is counted and checked but
+not timed, on both sides: its latency is the wake's, not its version's.
 """
 
 from __future__ import annotations
@@ -197,18 +200,25 @@ def _stack(requests: Sequence[tuple[Mapping[str, Any], dict[str, np.ndarray]]],
 # -- the canary ------------------------------------------------------------------------------
 
 class _LatencyByVersion(ServingObserver):
-    """Request latencies (total, seconds) of one version, most recent last."""
+    """Request latencies (total, seconds) of one version, most recent last; every outcome is
+    counted, but a request that waited for the board's wake is not timed (its latency is the
+    wake's and the engine restore's: ``RequestDone.after_wake``)."""
 
     def __init__(self, version: int, keep: int = 4096) -> None:
         self.version = version
         self.latencies_s: collections.deque[float] = collections.deque(maxlen=keep)
         self.outcomes: collections.Counter[str] = collections.Counter()
+        self.after_wake = 0  # answered requests left untimed
 
     def request_done(self, event: RequestDone) -> None:
         if event.version != self.version:
             return
         self.outcomes[event.outcome] += 1
-        if event.outcome == "success":
+        if event.outcome != "success":
+            return
+        if event.after_wake:
+            self.after_wake += 1
+        else:
             self.latencies_s.append(event.total_s)
 
     def p95_s(self) -> float | None:
@@ -484,6 +494,7 @@ class HealthWatch(ServingObserver):
             "requests": sum(outcomes.values()),
             "failures": outcomes["failure"],
             "non_finite_batches": self.non_finite_batches,
+            "requests_after_wake": self.latency.after_wake,
             "p95_ms": round(p95 * 1e3, 3) if p95 is not None else None,
             "old_p95_ms": round(self.old_p95_s * 1e3, 3) if self.old_p95_s else None,
         }
