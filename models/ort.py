@@ -133,6 +133,11 @@ def _rewrite_for_ort(model: bytes | Path | str, *, fold_relu: bool = True,
     return proto.SerializeToString()
 
 
+# The walk around the weights reads one field in about 1 us, the scan 16 KiB (both in Python on
+# the development VM): a model with more fields than one per 16 KiB is scanned whole.
+_BYTES_PER_FIELD = 16 << 10
+
+
 def _may_quantize(model: bytes | Path | str) -> bool:
     """Whether the model's bytes name the QuantizeLinear op, which any graph with such a node
     stores as plain text; False lets a float model skip the full parse (about 50 ms holding the
@@ -140,17 +145,20 @@ def _may_quantize(model: bytes | Path | str) -> bool:
     update). The graph's initializers are skipped unread (:func:`models.onnx_wire.initializer_spans`:
     a tensor holds no node), so a float model costs a few hundred small reads, not a scan of its
     weights under the GIL (19 ms of the daemon's CPU, 5 MB/ms, for a 40 MB model on the development
-    VM, while a candidate loads beside the serving threads). Bytes that are not a protobuf message
-    are scanned whole, in 1 MiB pieces so the GIL is let go between them. A model that cannot be
-    read is True: the parse after reports it as before."""
+    VM, while a candidate loads beside the serving threads). Bytes that are not a protobuf
+    message, and graphs of more fields than one per 16 KiB (many small nodes: reading around their
+    weights would cost more), are scanned whole, in 1 MiB pieces so the GIL is let go between
+    them. A model that cannot be read is True: the parse after reports it as before."""
     needle = b"QuantizeLinear"
     try:
         with io.BytesIO(model) if isinstance(model, bytes) else open(model, "rb") as file:
-            try:
-                weights = initializer_spans(file)
-            except Malformed:
-                weights = []
             size = file.seek(0, io.SEEK_END)
+            try:
+                # About 1 us a field: a graph of many small nodes is scanned whole instead.
+                found = initializer_spans(file, max_fields=max(256, size // _BYTES_PER_FIELD))
+            except Malformed:
+                found = None
+            weights = found or []
             start = 0
             for weights_start, weights_end in [*weights, (size, size)]:
                 if _names(file, needle, start, weights_start):
