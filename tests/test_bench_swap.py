@@ -144,3 +144,27 @@ def test_the_tail_by_swap_names_the_swaps_holding_the_slowest_requests_and_their
     assert tail["swaps"][0]["gap_p99_over_quiet"] == pytest.approx(2.0)
     assert "swap 2:" in _tail_line(tail) and "2.00x" in _tail_line(tail)
     assert _tail_by_swap([], quiet, swaps, gaps, 2.0) == {"requests": 0, "swaps": []}
+
+
+def test_sent_after_apply_bins_the_requests_by_when_they_were_sent() -> None:
+    """A request sent in a swap's first 50 ms is slow, the rest are not: the first bin's P50 is
+    twice the gaps', the later ones as the gaps', and a request sent just before the apply
+    counts in none (not a target; swap_states would count it wherever it overlapped)."""
+    from agent.tooling.swapbench.bench import _sent_after_apply, _sent_line
+    from agent.tooling.swapbench.load import Record
+
+    swaps = [(10.0, 10.3), (20.0, 20.3)]
+    records = []
+    for start, _ in swaps:
+        for offset_ms in range(0, 200, 5):  # sent 2.5 ms into each 5 ms, clear of the edges
+            sent = start + (offset_ms + 2.5) / 1000
+            latency = 0.004 if offset_ms < 50 else 0.002
+            records.append(Record(sent, sent + latency, 1, "ok", False))
+        records.append(Record(start - 0.001, start + 0.030, 1, "ok", False))  # before it
+    bins = _sent_after_apply(records, swaps, quiet_p50_ms=2.0)
+    assert [(entry["from_ms"], entry["to_ms"]) for entry in bins] == [
+        (0, 50), (50, 100), (100, 150), (150, 200)]
+    assert [entry["requests"] for entry in bins] == [20, 20, 20, 20]
+    assert bins[0]["p50_over_quiet"] == pytest.approx(2.0)
+    assert [entry["p50_over_quiet"] for entry in bins[1:]] == pytest.approx([1.0, 1.0, 1.0])
+    assert "0-50 ms 2.00x" in _sent_line(bins)

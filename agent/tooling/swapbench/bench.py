@@ -24,6 +24,9 @@ URL, waiting for the outcome), exactly as ``edge-agent update apply`` sends them
    a swap the excess comes from. ``tail_by_swap`` (not a target) names the swaps that hold the
    slowest 1 % of the overlapping requests, each with its own gap's P99 over all the gaps': a
    tail from a few swaps whose gaps were slow too is the machine's, not the swap's.
+   ``sent_after_apply`` (not a target) sorts the requests by when they were sent after each
+   apply, in 50 ms bins, each bin's P50 over the gaps': unlike ``swap_states`` it does not
+   favour slow requests in short states.
 4. **Misbehaving versions**: first one that disagrees with the serving version (its classifier
    negated), which the canary must refuse before it answers anyone (``canary_reject``). Then the
    stricter case: a version that answers like the serving one on the positive frames the load
@@ -48,6 +51,7 @@ descriptors flat.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import datetime
 import math
@@ -551,6 +555,43 @@ def _rollback(records: Sequence[Record], found: dict[str, Any]) -> dict[str, Any
     return watch
 
 
+SENT_BIN_S = 0.05
+SENT_BINS = 4
+
+
+def _sent_after_apply(records: Sequence[Record], swaps: Sequence[tuple[float, float]],
+                      quiet_p50_ms: float | None) -> list[dict[str, Any]]:
+    """Latency of the requests by when they were *sent* after each swap's ``update.apply``, in
+    :data:`SENT_BIN_S` bins (the first :data:`SENT_BINS`), each bin's P50 over the quiet gaps'.
+    Not a target. Unlike ``swap_states``, which takes the requests that overlapped a state and
+    so favours slow requests in a short state, the time a request is sent does not depend on
+    its latency: this shows when in a swap the daemon is slower, whatever state runs then."""
+    starts = sorted(started for started, _ in swaps)
+    sent: list[list[Record]] = [[] for _ in range(SENT_BINS)]
+    for record in records:
+        latest = bisect.bisect_right(starts, record.started_s) - 1
+        if latest >= 0:
+            index = int((record.started_s - starts[latest]) // SENT_BIN_S)
+            if index < SENT_BINS:
+                sent[index].append(record)
+    found = []
+    for index, requests in enumerate(sent):
+        figures = _latency_figures(requests)
+        found.append({"from_ms": round(index * SENT_BIN_S * 1000),
+                      "to_ms": round((index + 1) * SENT_BIN_S * 1000),
+                      "requests": figures["requests"], "p50_ms": figures.get("p50_ms"),
+                      "p50_over_quiet": _ratio(figures.get("p50_ms"), quiet_p50_ms)})
+    return found
+
+
+def _sent_line(bins: Sequence[dict[str, Any]]) -> str:
+    """One line for ``sent_after_apply``."""
+    parts = [f"{entry['from_ms']}-{entry['to_ms']} ms {entry['p50_over_quiet']:.2f}x"
+             for entry in bins if entry.get("p50_over_quiet") is not None]
+    return ("sent after update.apply, P50 over the quiet gaps' (not a target): "
+            + (", ".join(parts) if parts else "none"))
+
+
 def _tail_by_swap(during: Sequence[Record], quiet: Sequence[Record],
                   swaps: Sequence[tuple[float, float]], gaps: Sequence[tuple[float, float]],
                   quiet_p99_ms: float | None) -> dict[str, Any]:
@@ -627,6 +668,8 @@ def summarize(options: SwapBenchOptions, found: dict[str, Any], timeline: _Timel
         "swap_states": by_state,
         "tail_by_swap": _tail_by_swap(during, quiet, swaps, timeline.quiet,
                                       phases["quiet_gaps"].get("p99_ms")),
+        "sent_after_apply": _sent_after_apply(records, swaps,
+                                              phases["quiet_gaps"].get("p50_ms")),
         "swap_seconds": {"median": statistics.median(durations) if durations else None,
                          "max": max(durations, default=None), "all": durations},
         "canary_reject": canary,
@@ -724,6 +767,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"(target <= 1.5: {verdict('p99_swap_over_steady')}); over the quiet gaps between "
         f"them {ratio(summary['p99_swap_over_quiet']).strip()} (not a target)",
         _tail_line(summary.get("tail_by_swap") or {}),
+        _sent_line(summary.get("sent_after_apply") or []),
         f"canary: disagreeing v{canary['version']} {canary['state']} ({canary['reason']}) in "
         f"{canary['seconds']:.2f} s, {canary['answers_by_refused_version']} answers by it",
         f"watch: NaN-after-commit v{watch['version']} rolled back to v{watch['serving_after']} "
