@@ -1,16 +1,19 @@
 """A real inference server on a free loopback port, run on its own event loop thread, for tests
-that talk to it with stock clients (tritonclient, plain HTTP)."""
+that talk to it with stock clients (tritonclient, plain HTTP); and the tests' tiny classifier
+on a real ONNX Runtime backend (the ``backend`` fixture: import it into the test module)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
+
 from agent.api.server import InferenceServer
-from agent.backends.base import Backend
+from agent.backends.base import Backend, BackendOptions
 from agent.batcher import BatchPolicy
 from agent.serving import ModelService
 
@@ -52,3 +55,17 @@ class ServerThread:
         self._thread.join(10)
         for backend in self.service.backends:
             backend.deactivate()
+
+
+@pytest.fixture()
+def backend(tmp_path: Path) -> Iterator[Backend]:
+    """The tiny classifier on an active ONNX Runtime backend (batches of 8 at most, one thread),
+    deactivated after the test. The module using it skips without onnxruntime."""
+    from agent.backends.onnxruntime import OnnxRuntimeBackend
+    from tests.tiny_models import artifacts_for, tiny_classifier
+
+    made = OnnxRuntimeBackend(artifacts_for(tiny_classifier(tmp_path / "m" / "model.onnx")),
+                              BackendOptions(max_batch_size=8, threads=1))
+    made.activate()
+    yield made
+    made.deactivate()

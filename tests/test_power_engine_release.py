@@ -18,26 +18,18 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
-from agent.backends.base import BackendOptions
 from agent.backends.onnxruntime import OnnxRuntimeBackend
 from agent.batcher import Batcher, BatchPolicy
 from agent.batcher.batcher import EngineState
 from agent.daemon import Daemon
 from agent.errors import AgentError
 from agent.run import run_foreground
+from tests import serving_fixtures
 from tests.test_power_daemon import images, infer, installed, until  # noqa: F401 - the fixture
-from tests.tiny_models import artifacts_for, tiny_classifier
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
-
-@pytest.fixture()
-def backend(tmp_path: Path) -> Any:
-    made = OnnxRuntimeBackend(artifacts_for(tiny_classifier(tmp_path / "m" / "model.onnx")),
-                              BackendOptions(max_batch_size=8, threads=1))
-    made.activate()
-    yield made
-    made.deactivate()
+backend = serving_fixtures.backend  # the tiny classifier, active
 
 
 def test_a_release_frees_the_session_and_the_next_request_brings_it_back(
