@@ -38,6 +38,9 @@ class RequestDone:
     # It waited for the board to wake (the wake hook, a sleep's engine restore) or ran in a
     # restored engine's first batch: its latency is the wake's as much as its version's
     after_wake: bool = False
+    # Of an after_wake request: its latency from when dispatch resumed after the wake or the
+    # restore (from its arrival, when later), the wait left out; the gates judge these apart
+    awake_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

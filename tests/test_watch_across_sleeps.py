@@ -1,17 +1,19 @@
 """The watch window after a commit, across the board's sleeps: a request that waited for the
 wake (the power governor's wake hook, a sleep's engine restore with ``release_engine_in_sleep``)
-or ran in a restored engine's first batch is counted and checked, but its latency is not held
-against the committed version (``RequestDone.after_wake``).
+or ran in a restored engine's first batch is counted and checked, but its latency is not mixed
+with the steady requests' (``RequestDone.after_wake``): timed from when dispatch resumed
+(``awake_s``), it is judged against the old version's own requests after a wake.
 
-The batcher's flag on a real ONNX Runtime backend; the watch's judgement on its events; and a real
-daemon (the real board layer and controller over a fake board tree, the real updater) committing
-a version identical to the one serving, then sleeping with its engines released in the watch
-window. No test asserts a duration.
+The batcher's flag and timing on a real ONNX Runtime backend; the watch's judgement on its events;
+and a real daemon (the real board layer and controller over a fake board tree, the real updater)
+committing a version identical to the one serving, or one doing more work, across sleeps with
+its engines released. No test asserts a duration of the code under test.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,6 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
-from agent.backends.base import BackendOptions
 from agent.backends.onnxruntime import OnnxRuntimeBackend
 from agent.batcher import Batcher, BatchPolicy
 from agent.batcher.batcher import EngineState
@@ -31,17 +32,26 @@ from agent.control.protocol import SOCKET_NAME, UPDATE_APPLY
 from agent.daemon import Daemon
 from agent.observers import RequestDone, ServingObserver
 from agent.run import run_foreground
-from agent.update.canary import CanaryPolicy, HealthWatch, ShadowCanary
+from agent.update.canary import (
+    MIN_LATENCY_SAMPLES,
+    CanaryPolicy,
+    HealthWatch,
+    OldLatency,
+    ShadowCanary,
+)
 from agent.update.priority import LowPriority
 from agent.update.states import UpdatePolicy
 from models.bundle import pack_bundle
 from models.signing import load_private_key, write_keypair
+from tests import serving_fixtures
 from tests.power_boards import fake_board
 from tests.test_power_daemon import images, infer, until
 from tests.test_update_daemon import Clients
-from tests.tiny_models import CLASSES, artifacts_for, tiny_classifier, tiny_manifest
+from tests.tiny_models import CLASSES, tiny_classifier, tiny_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+backend = serving_fixtures.backend  # the tiny classifier, active
 
 
 class Seen(ServingObserver):
@@ -58,15 +68,6 @@ class Seen(ServingObserver):
 
 
 # -- the batcher's flag ------------------------------------------------------------------------
-
-@pytest.fixture()
-def backend(tmp_path: Path) -> Any:
-    made = OnnxRuntimeBackend(artifacts_for(tiny_classifier(tmp_path / "m" / "model.onnx")),
-                              BackendOptions(max_batch_size=8, threads=1))
-    made.activate()
-    yield made
-    made.deactivate()
-
 
 def test_requests_that_waited_for_a_restore_or_a_wake_or_ran_first_after_one_are_flagged(
         backend: OnnxRuntimeBackend) -> None:
@@ -125,11 +126,58 @@ def test_requests_that_waited_for_a_restore_or_a_wake_or_ran_first_after_one_are
     }
 
 
+def test_a_request_after_a_wake_is_timed_from_when_dispatch_resumed(
+        backend: OnnxRuntimeBackend) -> None:
+    """``awake_s`` leaves out the wait for the wake hook or the restore, and only that: a
+    restored engine's first batch that waited for nothing is timed from its arrival."""
+    seen = Seen()
+    batcher = Batcher([backend], BatchPolicy(max_batch_size=8, max_queue_delay_us=0),
+                      observer=seen)
+    hook_s = 0.2
+
+    async def hook() -> None:
+        await asyncio.sleep(hook_s)
+
+    async def main() -> dict[str, list[RequestDone]]:
+        events: dict[str, list[RequestDone]] = {}
+        batcher.start()
+        batcher.set_wake_hook(hook)
+        batcher.arm_wake()
+        await asyncio.wait_for(asyncio.gather(
+            *(batcher.submit({"input": images()}) for _ in range(3))), 10)
+        await asyncio.wait_for(batcher.submit({"input": images()}), 10)
+        events["woken"], seen.events[:] = list(seen.events), []
+        batcher.release_engine()
+        await until(lambda: batcher.engine_state is EngineState.RELEASED)
+        await asyncio.wait_for(batcher.submit({"input": images()}), 10)
+        events["restored by a request"], seen.events[:] = list(seen.events), []
+        batcher.release_engine()
+        await until(lambda: batcher.engine_state is EngineState.RELEASED)
+        batcher.restore_engine()
+        await until(lambda: batcher.engine_state is EngineState.ACTIVE)
+        await asyncio.wait_for(batcher.submit({"input": images()}), 10)
+        events["restored by a wake"] = list(seen.events)
+        await batcher.stop()
+        return events
+
+    events = asyncio.run(main())
+    woken = events["woken"]
+    assert [event.after_wake for event in woken] == [True, True, True, False]
+    for event in woken[:3]:  # the hook's wait is left out, not the batch
+        assert 0 < event.awake_s and event.total_s - event.awake_s >= hook_s
+    assert woken[3].awake_s == 0.0  # not after a wake: not timed apart
+    (restored,) = events["restored by a request"]
+    assert restored.after_wake and 0 < restored.awake_s < restored.total_s
+    (first,) = events["restored by a wake"]  # waited for nothing: its whole latency
+    assert first.after_wake and first.awake_s == first.total_s
+
+
 # -- the watch's judgement ---------------------------------------------------------------------
 
 def _done(total_s: float, *, version: int = 2, outcome: str = "success",
-          after_wake: bool = False) -> RequestDone:
-    return RequestDone(outcome, version, total_s, total_s * 0.1, after_wake=after_wake)
+          after_wake: bool = False, awake_s: float = 0.0) -> RequestDone:
+    return RequestDone(outcome, version, total_s, total_s * 0.1, after_wake=after_wake,
+                       awake_s=awake_s)
 
 
 def test_the_watch_counts_requests_after_a_wake_but_does_not_time_them() -> None:
@@ -173,14 +221,78 @@ def test_the_old_versions_p95_from_the_canary_leaves_out_the_requests_after_a_wa
         canary.worker.close()
 
 
+def test_requests_after_a_wake_are_judged_against_the_old_versions_own_after_a_wake(
+        backend: OnnxRuntimeBackend) -> None:
+    """The canary's old version: only requests after a wake (a board that sleeps before each
+    burst), each 0.5 s long of which 10 ms after dispatch resumed. Its reference reaches the
+    watch through the old P95 the updater hands on; the new version's requests after a wake are
+    held against it by their time after the wake, with at least ``watch_min_requests``."""
+    canary = ShadowCanary([backend], LowPriority("test-canary"), CanaryPolicy(), old_version=1)
+    try:
+        for _ in range(30):
+            canary.old_latency.request_done(_done(0.5, version=1, after_wake=True,
+                                                  awake_s=0.010))
+        reference = canary.old_latency.p95_s()
+        figures = canary.figures()
+    finally:
+        canary.worker.close()
+    assert isinstance(reference, OldLatency)
+    assert not reference and reference.after_wake_p50_s == pytest.approx(0.010)  # no steady P95
+    assert figures["old_p95_ms"] is None and figures["old_after_wake_p50_ms"] == 10.0
+    assert figures["old_requests_after_wake"] == 30
+    policy = CanaryPolicy(watch_min_requests=20)
+
+    def watch_of(awake_s: float, count: int, old: float | None = reference) -> HealthWatch:
+        watch = HealthWatch(2, policy, old_p95_s=old)
+        for _ in range(count):
+            watch.request_done(_done(0.5, after_wake=True, awake_s=awake_s))
+        return watch
+
+    slow = watch_of(0.040, 20)  # four times the old version's, the restores' waits alike
+    verdict = slow.check()
+    assert verdict is not None and verdict.reason == "slow"
+    assert verdict.figures["after_wake_p50_ms"] == 40.0
+    assert verdict.figures["old_after_wake_p50_ms"] == 10.0
+    assert verdict.figures["p95_ms"] is None and verdict.figures["old_p95_ms"] is None
+    assert watch_of(0.012, 40).check() is None  # as fast, give or take
+    assert watch_of(0.040, 19).check() is None  # too few to judge yet
+    assert watch_of(0.040, 40, old=None).check() is None  # no reference: as before
+    # A plain old P95 (no after-wake figure) with its median given apart judges the same.
+    apart = HealthWatch(2, policy, old_p95_s=0.010, old_after_wake_p50_s=0.010)
+    for _ in range(20):
+        apart.request_done(_done(0.5, after_wake=True, awake_s=0.040))
+    verdict = apart.check()
+    assert verdict is not None and verdict.reason == "slow"
+
+
+def test_the_old_reference_keeps_its_steady_p95_beside_its_after_wake_median() -> None:
+    """Both strata at once: the steady P95 is judged as before and the float the updater
+    hands on is that P95, whatever the requests after a wake took."""
+    policy = CanaryPolicy(watch_min_requests=20)
+    reference = OldLatency(0.010)
+    reference.after_wake_p50_s = 0.030
+    watch = HealthWatch(2, policy, old_p95_s=reference)
+    assert watch.old_p95_s == pytest.approx(0.010)
+    for _ in range(30):
+        watch.request_done(_done(0.011))
+        watch.request_done(_done(0.5, after_wake=True, awake_s=0.050))  # under 3 x 30 ms
+    assert watch.check() is None
+    for _ in range(30):
+        watch.request_done(_done(0.05))  # steady: P95 50 ms against 10 ms
+    verdict = watch.check()
+    assert verdict is not None and verdict.reason == "slow"
+    assert verdict.figures["old_after_wake_p50_ms"] == 30.0
+
+
 # -- a real daemon -----------------------------------------------------------------------------
 
-def heavy_classifier(path: Path, weights_mib: int) -> Path:
+def heavy_classifier(path: Path, weights_mib: int, *, passes: int = 1) -> Path:
     """The tiny classifier with a detour through a square zero matrix of ``weights_mib`` MiB
     (logits + (logits @ widen) @ big @ narrow, all zeros: the answers do not change), as
     tools/bench_sleep_release.py makes it: its session takes tens of milliseconds to re-create
     on this CPU, a request to the awake board a few, as a TensorRT engine's restore on a board
-    takes far longer than its requests."""
+    takes far longer than its requests. ``passes`` times through ``big``: the same answers and
+    weights, that many times the detour's computation."""
     import onnx
     from onnx import numpy_helper
 
@@ -192,27 +304,33 @@ def heavy_classifier(path: Path, weights_mib: int) -> Path:
     for name, shape in (("widen", (CLASSES, size)), ("big", (size, size)),
                         ("narrow", (size, CLASSES))):
         graph.initializer.append(numpy_helper.from_array(np.zeros(shape, np.float32), name))
+    graph.node.append(onnx.helper.make_node("MatMul", ["clean", "widen"], ["wide"]))
+    for done in range(passes):
+        graph.node.append(onnx.helper.make_node("MatMul", [f"wide{'r' * done}", "big"],
+                                                [f"wide{'r' * (done + 1)}"]))
     graph.node.extend([
-        onnx.helper.make_node("MatMul", ["clean", "widen"], ["wide"]),
-        onnx.helper.make_node("MatMul", ["wide", "big"], ["wider"]),
-        onnx.helper.make_node("MatMul", ["wider", "narrow"], ["detour"]),
+        onnx.helper.make_node("MatMul", [f"wide{'r' * passes}", "narrow"], ["detour"]),
         onnx.helper.make_node("Add", ["clean", "detour"], ["logits"]),
     ])
     onnx.save(model, str(path))
     return path
 
 
-@pytest.fixture()
-def sleeping(tmp_path: Path) -> dict[str, Any]:
+def sleepy_board(tmp_path: Path, *, new_passes: int = 1) -> dict[str, Any]:
+    """A daemon's configuration serving v1 of the heavy classifier (one pass), power on with
+    its engines released in sleep, and a bundle of v2 (``new_passes``: 1 is v1's model)."""
     key_path = tmp_path / "keys" / "fleet.key"
     key_path.parent.mkdir()
     write_keypair(key_path)
     key = load_private_key(key_path)
-    model = heavy_classifier(tmp_path / "src" / "model.onnx", 32)
+    models = {1: heavy_classifier(tmp_path / "src" / "model.onnx", 32)}
+    models[2] = (models[1] if new_passes == 1 else
+                 heavy_classifier(tmp_path / "slow" / "model.onnx", 32, passes=new_passes))
     bundles = {}
-    for version in (1, 2):  # the same model: v2 is exactly as fast as v1
+    for version in (1, 2):
         bundles[version] = tmp_path / f"heavy-{version}.bundle"
-        pack_bundle(bundles[version], tiny_manifest("tiny", version), {"model.onnx": model}, key)
+        pack_bundle(bundles[version], tiny_manifest("tiny", version),
+                    {"model.onnx": models[version]}, key)
     tree = fake_board(tmp_path)
     config = load_config(None, env={}, overrides={
         "state_dir": tmp_path / "state", "http.port": 0, "serving.backend": "onnxruntime",
@@ -224,6 +342,11 @@ def sleeping(tmp_path: Path) -> dict[str, Any]:
     installer.make_current(installer.install(bundles[1]))
     installer.close()
     return {"config": config, "bundle": bundles[2]}
+
+
+@pytest.fixture()
+def sleeping(tmp_path: Path) -> dict[str, Any]:
+    return sleepy_board(tmp_path)  # the same model: v2 is exactly as fast as v1
 
 
 def test_sleeps_in_the_watch_window_do_not_roll_back_a_version_as_fast_as_the_old_one(
@@ -286,3 +409,92 @@ def test_sleeps_in_the_watch_window_do_not_roll_back_a_version_as_fast_as_the_ol
     new = [event for event in seen.events if event.version == 2 and event.outcome == "success"]
     assert sum(event.after_wake for event in new) >= 24
     assert sum(not event.after_wake for event in new) >= 20
+
+
+@pytest.mark.parametrize(("new_passes", "kept"), [(1, True), (8, False)],
+                         ids=["as-fast", "eight-times-the-work"])
+def test_on_a_board_that_sleeps_before_every_burst_the_watch_judges_latency_after_the_wakes(
+        tmp_path: Path, new_passes: int, kept: bool) -> None:
+    """Every request comes in a burst after a sleep with the engines released, in the canary
+    and in the watch window alike: no shadowed batch is in the canary's cost (each is a
+    restored engine's first) and no request is steady. Before, neither gate judged latency:
+    a v2 doing eight times v1's work was committed and kept. The watch now holds its requests
+    after a wake (the restores' waits left out) against v1's own in the canary, at the default
+    ratio; a v2 identical to v1 stays. On this 2-core VM the identical v2's median after a wake
+    read up to 2.2 times v1's, a v2 with five times the work 3.1-8.5 times: hence eight (4.2-9.5
+    times in three runs)."""
+    board = sleepy_board(tmp_path, new_passes=new_passes)
+    config = board["config"]
+    policy = CanaryPolicy(duration_s=20.0, min_samples=40, watch_min_requests=20)
+    daemon = Daemon(config, canary_policy=policy, update_policy=UpdatePolicy(watch_window_s=20.0))
+    seen = Seen()
+    out: dict[str, Any] = {"bursts": 0}
+
+    def answered_after_wake(version: int) -> int:
+        return sum(event.after_wake for event in seen.events
+                   if event.version == version and event.outcome == "success")
+
+    async def session(port: int) -> None:
+        loop = asyncio.get_running_loop()
+        await until(lambda: daemon.power is not None and daemon.power.status()["running"])
+        service = daemon.services["tiny"]
+        batcher = service.batcher
+        service.observers.subscribe(seen)
+        client = ControlClient(config.state_dir / SOCKET_NAME)
+        stop = asyncio.Event()
+
+        async def asleep() -> None:
+            await until(lambda: daemon.power is not None
+                        and daemon.power.status()["state"] == "sleeping"
+                        and batcher.engine_state is EngineState.RELEASED, 30)
+
+        def sleeping_now() -> bool:
+            return (daemon.power is not None and daemon.power.status()["state"] == "sleeping"
+                    and batcher.engine_state is EngineState.RELEASED)
+
+        async def bursts() -> None:
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                while True:
+                    await until(lambda: stop.is_set() or sleeping_now(), 60)
+                    if stop.is_set():
+                        return
+                    await asyncio.gather(*(loop.run_in_executor(pool, infer, port)
+                                           for _ in range(8)))
+                    out["bursts"] += 1
+
+        await asleep()  # the governor measures a restore (see the test above)
+        await loop.run_in_executor(None, infer, port)
+        traffic = asyncio.create_task(bursts())
+        out["apply"] = await loop.run_in_executor(None, lambda: client.call(
+            UPDATE_APPLY, {"source": board["bundle"].resolve().as_uri()}, timeout_s=60))
+        # Bursts through the watch window, until it judged or ended.
+        await until(lambda: daemon.updater is not None
+                    and daemon.updater.state.value != "committed", 60)
+        out["new_after_wake_in_window"] = answered_after_wake(2)
+        stop.set()
+        await traffic
+        await until(lambda: daemon.updater is not None
+                    and daemon.updater.state.value in ("idle", "failed"), 30)
+        assert daemon.updater is not None
+        out["status"] = daemon.updater.status()
+        out["version"] = service.version
+
+    run_foreground(daemon, session=session)
+    assert out["apply"]["state"] == "committed"  # the canary has no latency to judge
+    canary = next(event for event in out["status"]["history"] if event["from"] == "canary")
+    assert canary["to"] == "committed"
+    outcome = out["status"]["last_outcome"]
+    # Too few steady requests for the old version's P95, so no steady latency is judged (a
+    # burst's last request may come after its first batch left), and enough after a wake.
+    steady = collections.Counter(event.version for event in seen.events
+                                 if event.outcome == "success" and not event.after_wake)
+    assert steady[1] < MIN_LATENCY_SAMPLES, steady
+    assert answered_after_wake(1) >= 40
+    if kept:  # judged: more than the watch's minimum answered in its window
+        assert out["new_after_wake_in_window"] >= policy.watch_min_requests + 8
+        assert outcome["result"] == "committed", outcome
+        assert out["version"] == 2
+    else:  # committed and kept before
+        assert (outcome["result"], outcome["reason"]) == ("failed", "slow"), outcome
+        assert "after_wake_p50_ms" in outcome["detail"]
+        assert out["version"] == 1

@@ -129,8 +129,10 @@ class Batcher:
         self.engine_restores = 0  # restores done
         self.last_restore_s: float | None = None  # how long the last restore took
         # The last time dispatch was held for a wake or a restore with requests queued: a
-        # request that arrived by then and is dispatched later waited for it
+        # request that arrived by then and is dispatched later waited for it, until dispatch
+        # resumed (its latency from then on is judged apart: RequestDone.awake_s)
         self._held_at = -math.inf
+        self._resumed_at = -math.inf
 
     def _wrap(self, backend: Backend) -> Instance:
         index = next(_instance_numbers)
@@ -582,6 +584,8 @@ class Batcher:
                 self._held_at = now
                 self._start_wake()  # its end pokes the scheduler
                 return self._until_next_deadline(None, now)
+            if self._held_at > self._resumed_at:  # the first dispatch since the hold
+                self._resumed_at = now
             candidates = self._candidates()
             batch, total = candidates[0]
             full = total >= self.max_batch_size
@@ -733,7 +737,9 @@ class Batcher:
         loop = asyncio.get_running_loop()
         for request in batch:  # staged behind a running batch, a request may pass its deadline
             request.version = instance.version
-            request.after_wake = request.arrival <= self._held_at
+            if request.arrival <= self._held_at:  # it waited for the wake or the restore
+                request.after_wake = True
+                request.resumed = self._resumed_at
             if request.deadline is not None:
                 request.timer = loop.call_later(max(0.0, request.deadline - time.monotonic()),
                                                 self._timed_out_while_staged, request)
@@ -831,12 +837,16 @@ class Batcher:
         if self._observer is not None:
             total_s = time.monotonic() - request.arrival
             version = request.version if request.version is not None else self.version
+            # A restored engine's first batch, never held: from its arrival (resumed 0.0)
+            awake_s = (total_s - max(0.0, request.resumed - request.arrival)
+                       if request.after_wake else 0.0)
             self._observer.request_done(
-                RequestDone(outcome, version, total_s, total_s, after_wake=request.after_wake)
+                RequestDone(outcome, version, total_s, total_s, after_wake=request.after_wake,
+                            awake_s=awake_s)
                 if result is None else
                 RequestDone(outcome, version, total_s, result.queue_s, result.compute_input_s,
                             result.compute_s, result.compute_output_s,
-                            after_wake=request.after_wake))
+                            after_wake=request.after_wake, awake_s=awake_s))
 
     def _report_depth(self) -> None:
         if self._observer is not None:

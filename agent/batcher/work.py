@@ -35,6 +35,7 @@ class Request:
     timer: asyncio.TimerHandle | None = None  # answers a deadline passed while it is staged
     version: int | None = None  # of the instance its batch went to
     after_wake: bool = False  # it waited for a wake or restore (RequestDone.after_wake)
+    resumed: float = 0.0  # when dispatch resumed after the wake or restore it waited for
 
 
 @dataclass(eq=False)

@@ -22,8 +22,17 @@ With no traffic in ``duration_s`` there is nothing to compare: the verdict passe
 against the old version's figures from the canary: its failure share, NaN or Inf in its outputs,
 and its 95th-percentile latency against the old one's. A regression there rolls back. A request
 that waited for the board's wake (the power governor's wake hook, a sleep's engine restore with
-``release_engine_in_sleep``) or ran in a restored engine's first batch is counted and checked but
-not timed, on both sides: its latency is the wake's, not its version's.
+``release_engine_in_sleep``) or ran in a restored engine's first batch is counted and checked, but
+its latency is not mixed with the steady requests': timed from when dispatch resumed (the wait
+for the wake left out, ``RequestDone.awake_s``), it is judged in a stratum of its own, its median
+against the old version's own requests' after a wake in the canary (:class:`OldLatency`), when
+the old version had :data:`MIN_LATENCY_SAMPLES` of them and the new one ``watch_min_requests``.
+A restored engine's first batch is slower by nature on both versions, so it is compared with its
+like, not with steady batches; on a board that sleeps before nearly every request, this stratum
+is the only latency either side has. The median, not the P95: a wake's requests come together
+and run in one or two batches, so over the few wakes of a canary or a window the P95 is the
+slowest wake's alone, and the old version's is taken beside the canary's shadow, which loads the
+CPU by as much as the new version costs (docs/power.md has the figures).
 """
 
 from __future__ import annotations
@@ -199,16 +208,31 @@ def _stack(requests: Sequence[tuple[Mapping[str, Any], dict[str, np.ndarray]]],
 
 # -- the canary ------------------------------------------------------------------------------
 
+# Latencies a P95 or median is taken over at least (fewer: that stratum is not judged)
+MIN_LATENCY_SAMPLES = 20
+
+
+class OldLatency(float):
+    """The old version's latency from the canary, as the watch window's reference: the float
+    is the P95 of its steady requests (seconds; 0.0 when too few were timed), and it carries the
+    median of its requests after a wake (``after_wake_p50_s``, timed from when dispatch resumed;
+    None when too few). A float, so that the updater hands it on as the old P95 it always did."""
+
+    after_wake_p50_s: float | None = None
+
+
 class _LatencyByVersion(ServingObserver):
-    """Request latencies (total, seconds) of one version, most recent last; every outcome is
-    counted, but a request that waited for the board's wake is not timed (its latency is the
-    wake's and the engine restore's: ``RequestDone.after_wake``)."""
+    """Request latencies (seconds) of one version, most recent last; every outcome is counted.
+    A request that waited for the board's wake is timed apart, from when dispatch resumed
+    (``RequestDone.after_wake``, ``awake_s``): its total is the wake's and the engine restore's
+    as much as its version's, and a restored engine's first batch is slower by nature."""
 
     def __init__(self, version: int, keep: int = 4096) -> None:
         self.version = version
         self.latencies_s: collections.deque[float] = collections.deque(maxlen=keep)
+        self.after_wake_latencies_s: collections.deque[float] = collections.deque(maxlen=keep)
         self.outcomes: collections.Counter[str] = collections.Counter()
-        self.after_wake = 0  # answered requests left untimed
+        self.after_wake = 0  # answered requests after a wake (not among latencies_s)
 
     def request_done(self, event: RequestDone) -> None:
         if event.version != self.version:
@@ -218,17 +242,45 @@ class _LatencyByVersion(ServingObserver):
             return
         if event.after_wake:
             self.after_wake += 1
+            self.after_wake_latencies_s.append(event.awake_s)
         else:
             self.latencies_s.append(event.total_s)
 
     def p95_s(self) -> float | None:
-        if len(self.latencies_s) < 20:
+        """The steady requests' P95, None with fewer than :data:`MIN_LATENCY_SAMPLES`."""
+        return _percentile_of(self.latencies_s, 95)
+
+    def after_wake_p50_s(self) -> float | None:
+        """The median of the requests after a wake (from when dispatch resumed), None with
+        fewer than :data:`MIN_LATENCY_SAMPLES`."""
+        return _percentile_of(self.after_wake_latencies_s, 50)
+
+
+class _OldLatencyByVersion(_LatencyByVersion):
+    """The old version's, in the canary: its P95 is an :class:`OldLatency` (both strata)."""
+
+    def p95_s(self) -> OldLatency | None:
+        steady = super().p95_s()
+        after_wake = self.after_wake_p50_s()
+        if steady is None and after_wake is None:
             return None
-        return _p95(np.fromiter(self.latencies_s, dtype=np.float64))
+        reference = OldLatency(steady or 0.0)
+        reference.after_wake_p50_s = after_wake
+        return reference
+
+
+def _percentile_of(latencies_s: collections.deque[float], percent: int) -> float | None:
+    if len(latencies_s) < MIN_LATENCY_SAMPLES:
+        return None
+    return float(np.percentile(np.fromiter(latencies_s, dtype=np.float64), percent))
 
 
 def _p95(values: np.ndarray) -> float:
     return float(np.percentile(values, 95))
+
+
+def _ms(seconds: float | None) -> float | None:
+    return round(seconds * 1e3, 3) if seconds else None
 
 
 def warm_up() -> None:
@@ -258,7 +310,7 @@ class ShadowCanary:
         self.worker = worker
         self.policy = policy
         self.old_version = old_version
-        self.old_latency = _LatencyByVersion(old_version)
+        self.old_latency = _OldLatencyByVersion(old_version)
         self._queue: asyncio.Queue[Tapped] = asyncio.Queue(maxsize=policy.queue_batches)
         self.samples = 0
         self.agreeing = 0
@@ -419,8 +471,9 @@ class ShadowCanary:
             "agreement": round(self.agreeing / self.samples, 4) if self.samples else None,
             "cost_ratio": (round(ratio, 3) if (ratio := self.latency_ratio()) is not None
                            else None),
-            "old_p95_ms": (round(p95 * 1e3, 3) if (p95 := self.old_latency.p95_s()) is not None
-                           else None),
+            "old_p95_ms": _ms(self.old_latency.p95_s() or None),
+            "old_requests_after_wake": self.old_latency.after_wake,
+            "old_after_wake_p50_ms": _ms(self.old_latency.after_wake_p50_s()),
         }
 
     def _early_verdict(self) -> HealthVerdict | None:
@@ -461,13 +514,24 @@ class HealthWatch(ServingObserver):
 
     Subscribe it to the service's observers and set :meth:`tap` as the batcher's tap; :meth:`run`
     returns the verdict when the window ends or at the first regression.
+
+    Args:
+        version: The version committed.
+        policy: The gates.
+        old_p95_s: The old version's steady P95 from the canary; an :class:`OldLatency` (the
+            canary's ``old_latency.p95_s()``) also brings its median after a wake.
+        old_after_wake_p50_s: The old version's median after a wake, where ``old_p95_s`` is a
+            plain number.
     """
 
-    def __init__(self, version: int, policy: CanaryPolicy, *,
-                 old_p95_s: float | None) -> None:
+    def __init__(self, version: int, policy: CanaryPolicy, *, old_p95_s: float | None,
+                 old_after_wake_p50_s: float | None = None) -> None:
         self.version = version
         self.policy = policy
-        self.old_p95_s = old_p95_s
+        self.old_p95_s = float(old_p95_s) if old_p95_s else None
+        if old_after_wake_p50_s is None and isinstance(old_p95_s, OldLatency):
+            old_after_wake_p50_s = old_p95_s.after_wake_p50_s
+        self.old_after_wake_p50_s = old_after_wake_p50_s
         self.latency = _LatencyByVersion(version)
         self.non_finite_batches = 0
         self._changed = asyncio.Event()
@@ -495,8 +559,10 @@ class HealthWatch(ServingObserver):
             "failures": outcomes["failure"],
             "non_finite_batches": self.non_finite_batches,
             "requests_after_wake": self.latency.after_wake,
-            "p95_ms": round(p95 * 1e3, 3) if p95 is not None else None,
-            "old_p95_ms": round(self.old_p95_s * 1e3, 3) if self.old_p95_s else None,
+            "p95_ms": _ms(p95),
+            "old_p95_ms": _ms(self.old_p95_s),
+            "after_wake_p50_ms": _ms(self.latency.after_wake_p50_s()),
+            "old_after_wake_p50_ms": _ms(self.old_after_wake_p50_s),
         }
 
     def check(self) -> HealthVerdict | None:
@@ -509,12 +575,22 @@ class HealthWatch(ServingObserver):
         if total >= policy.watch_min_requests:
             if outcomes["failure"] / total > policy.watch_max_failure_rate:
                 return HealthVerdict(False, "failures", self.figures())
-            p95 = self.latency.p95_s()
-            if (p95 is not None and self.old_p95_s and len(self.latency.latencies_s) >=
-                    policy.watch_min_requests
-                    and p95 > policy.watch_max_latency_ratio * self.old_p95_s):
+            if (self._slower(self.latency.latencies_s, self.latency.p95_s(), self.old_p95_s)
+                    or self._slower(self.latency.after_wake_latencies_s,
+                                    self.latency.after_wake_p50_s(),
+                                    self.old_after_wake_p50_s)):
                 return HealthVerdict(False, "slow", self.figures())
         return None
+
+    def _slower(self, latencies_s: collections.deque[float], new_s: float | None,
+                old_s: float | None) -> bool:
+        """Whether one stratum (steady by P95, or after a wake by median) is a regression
+        against the old version's same figure: judged with ``watch_min_requests`` timed and a
+        reference."""
+        policy = self.policy
+        return (new_s is not None and old_s is not None and old_s > 0
+                and len(latencies_s) >= policy.watch_min_requests
+                and new_s > policy.watch_max_latency_ratio * old_s)
 
     async def run(self, *, poll_s: float = 0.25) -> HealthVerdict:
         """The verdict at the first regression; the updater ends the window (the watch
