@@ -25,7 +25,7 @@ that waited for the board's wake (the power governor's wake hook, a sleep's engi
 ``release_engine_in_sleep``) or ran in a restored engine's first batch is counted and checked, but
 its latency is not mixed with the steady requests': timed from when dispatch resumed (the wait
 for the wake left out, ``RequestDone.awake_s``), it is judged in a stratum of its own, its median
-against the old version's own requests' after a wake in the canary (:class:`OldLatency`), when
+against the old version's own requests' after a wake in the canary (``ShadowCanary.old_latency``), when
 the old version had :data:`MIN_LATENCY_SAMPLES` of them and the new one ``watch_min_requests``.
 A restored engine's first batch is slower by nature on both versions, so it is compared with its
 like, not with steady batches; on a board that sleeps before nearly every request, this stratum
@@ -212,15 +212,6 @@ def _stack(requests: Sequence[tuple[Mapping[str, Any], dict[str, np.ndarray]]],
 MIN_LATENCY_SAMPLES = 20
 
 
-class OldLatency(float):
-    """The old version's latency from the canary, as the watch window's reference: the float
-    is the P95 of its steady requests (seconds; 0.0 when too few were timed), and it carries the
-    median of its requests after a wake (``after_wake_p50_s``, timed from when dispatch resumed;
-    None when too few). A float, so that the updater hands it on as the old P95 it always did."""
-
-    after_wake_p50_s: float | None = None
-
-
 class _LatencyByVersion(ServingObserver):
     """Request latencies (seconds) of one version, most recent last; every outcome is counted.
     A request that waited for the board's wake is timed apart, from when dispatch resumed
@@ -254,19 +245,6 @@ class _LatencyByVersion(ServingObserver):
         """The median of the requests after a wake (from when dispatch resumed), None with
         fewer than :data:`MIN_LATENCY_SAMPLES`."""
         return _percentile_of(self.after_wake_latencies_s, 50)
-
-
-class _OldLatencyByVersion(_LatencyByVersion):
-    """The old version's, in the canary: its P95 is an :class:`OldLatency` (both strata)."""
-
-    def p95_s(self) -> OldLatency | None:
-        steady = super().p95_s()
-        after_wake = self.after_wake_p50_s()
-        if steady is None and after_wake is None:
-            return None
-        reference = OldLatency(steady or 0.0)
-        reference.after_wake_p50_s = after_wake
-        return reference
 
 
 def _percentile_of(latencies_s: collections.deque[float], percent: int) -> float | None:
@@ -310,7 +288,7 @@ class ShadowCanary:
         self.worker = worker
         self.policy = policy
         self.old_version = old_version
-        self.old_latency = _OldLatencyByVersion(old_version)
+        self.old_latency = _LatencyByVersion(old_version)
         self._queue: asyncio.Queue[Tapped] = asyncio.Queue(maxsize=policy.queue_batches)
         self.samples = 0
         self.agreeing = 0
@@ -471,7 +449,7 @@ class ShadowCanary:
             "agreement": round(self.agreeing / self.samples, 4) if self.samples else None,
             "cost_ratio": (round(ratio, 3) if (ratio := self.latency_ratio()) is not None
                            else None),
-            "old_p95_ms": _ms(self.old_latency.p95_s() or None),
+            "old_p95_ms": _ms(self.old_latency.p95_s()),
             "old_requests_after_wake": self.old_latency.after_wake,
             "old_after_wake_p50_ms": _ms(self.old_latency.after_wake_p50_s()),
         }
@@ -518,10 +496,9 @@ class HealthWatch(ServingObserver):
     Args:
         version: The version committed.
         policy: The gates.
-        old_p95_s: The old version's steady P95 from the canary; an :class:`OldLatency` (the
-            canary's ``old_latency.p95_s()``) also brings its median after a wake.
-        old_after_wake_p50_s: The old version's median after a wake, where ``old_p95_s`` is a
-            plain number.
+        old_p95_s: The old version's steady P95 from the canary (``old_latency.p95_s()``).
+        old_after_wake_p50_s: The old version's median after a wake from the canary
+            (``old_latency.after_wake_p50_s()``).
     """
 
     def __init__(self, version: int, policy: CanaryPolicy, *, old_p95_s: float | None,
@@ -529,8 +506,6 @@ class HealthWatch(ServingObserver):
         self.version = version
         self.policy = policy
         self.old_p95_s = float(old_p95_s) if old_p95_s else None
-        if old_after_wake_p50_s is None and isinstance(old_p95_s, OldLatency):
-            old_after_wake_p50_s = old_p95_s.after_wake_p50_s
         self.old_after_wake_p50_s = old_after_wake_p50_s
         self.latency = _LatencyByVersion(version)
         self.non_finite_batches = 0

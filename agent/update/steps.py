@@ -134,7 +134,9 @@ class DaemonSteps:
         self.drain_timeout_s = drain_timeout_s
         self.downloads_dir = daemon.config.state_dir / DOWNLOADS_DIR
         self._candidate: _Loaded | None = None
-        self._old_p95_s: float | None = None  # the old version's, measured during the canary
+        # The old version's steady P95 and median after a wake, measured during the canary
+        self._old_p95_s: float | None = None
+        self._old_after_wake_p50_s: float | None = None
         # The update's own file work (hashing, signature and member checks, installing into
         # the store, loading it back, removing files) on one thread of low priority, like the
         # candidate's loading: staging must not take the serving instances' CPU either. The
@@ -363,6 +365,7 @@ class DaemonSteps:
             service.batcher.set_tap(None)
             unsubscribe()
         self._old_p95_s = canary.old_latency.p95_s()
+        self._old_after_wake_p50_s = canary.old_latency.after_wake_p50_s()
         job.progress(canary=verdict.to_json())
         log.info("canary of %s v%d: %s", loaded.artifacts.name, loaded.version,
                  verdict.describe())
@@ -396,7 +399,8 @@ class DaemonSteps:
         service = self.service
         bundle = _require_bundle(job)
         watch = HealthWatch(bundle.version or service.version, self.canary_policy,
-                            old_p95_s=self._old_p95_s)
+                            old_p95_s=self._old_p95_s,
+                            old_after_wake_p50_s=self._old_after_wake_p50_s)
         unsubscribe = service.observers.subscribe(watch)
         service.batcher.set_tap(watch.tap)
         try:
